@@ -1,0 +1,38 @@
+# pdserve developer commands. `make setup` then `make test` on a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch 2.13.0 lies on this machine's disk; elsewhere pip takes
+# the normal wheel (CUDA on Linux x86-64). Override for another build.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help setup test lint format protos clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-8s %s\n", $$1, $$2}'
+
+setup:  ## create .venv, install torch and pdserve with dev extras
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+
+test:  ## run the test suite (real Redis, real gRPC, real torch)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint:  ## ruff check and format check
+	$(BIN)/ruff check services tests scripts
+	$(BIN)/ruff format --check services tests scripts
+
+format:  ## apply ruff fixes and formatting
+	$(BIN)/ruff check --fix services tests scripts
+	$(BIN)/ruff format services tests scripts
+
+protos:  ## regenerate the gRPC stubs in services/pdserve/api/v1
+	$(BIN)/python scripts/gen_protos.py --out services/pdserve/api/v1
+
+clean:  ## remove the venv and caches
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build dist services/*.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (pdserve.v1). Regenerate with `make protos`."""

@@ -1,0 +1,1 @@
+"""The inference engine: paged KV cache, continuous batching, sampling. No gRPC here."""

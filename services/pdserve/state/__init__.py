@@ -1,0 +1,1 @@
+"""Redis: request state, the worker registry, and the private server for tests and `pdserve up`."""
