@@ -1,0 +1,89 @@
+"""Attention over the paged KV cache.
+
+KV cache layout, per layer: ``[2, num_blocks * block_size, num_kv_heads, head_dim]``
+(K then V; a token's slot is ``block_id * block_size + offset``). The whole
+cache is one tensor ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``
+so one layer's blocks can be exported while later layers still compute.
+
+This is the gather-by-block-table + SDPA path that runs anywhere. A CUDA paged
+attention kernel replaces `paged_attention` alone; the metadata stays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One sequence's new tokens in a step that may attend to cached tokens too."""
+
+    token_start: int  # first row of this sequence in the flattened batch
+    num_new_tokens: int
+    # Rows of the cache to attend to, [context_len], or None when the context is
+    # exactly the new tokens (fresh prompt, no window): then the new K/V are used
+    # directly with a causal mask and nothing is gathered.
+    key_slots: torch.Tensor | None
+    # [num_new_tokens, context_len] bool, True = may attend; None = plain causal.
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """Sequences that each add one token, batched into one padded SDPA call."""
+
+    token_start: int
+    num_seqs: int
+    key_slots: torch.Tensor  # [num_seqs, max_context] (padding points at slot 0)
+    mask: torch.Tensor  # [num_seqs, 1, 1, max_context] bool
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens]: cache slot each new token's K/V goes to
+    prefills: list[PrefillSpan]
+    decode: DecodeBatch | None
+
+
+def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
+    """Store new K/V ([T, kv_heads, head_dim]) at their slots of one layer's cache."""
+    layer_cache[0].index_copy_(0, slots, k)
+    layer_cache[1].index_copy_(0, slots, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, heads, head_dim]
+    k: torch.Tensor,  # [T, kv_heads, head_dim], already written to the cache
+    v: torch.Tensor,
+    layer_cache: torch.Tensor,  # [2, num_slots, kv_heads, head_dim]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, heads, head_dim]
+    out = torch.empty_like(q)
+    for span in meta.prefills:
+        rows = slice(span.token_start, span.token_start + span.num_new_tokens)
+        if span.key_slots is None:
+            keys, values = k[rows], v[rows]
+        else:
+            keys, values = layer_cache[0][span.key_slots], layer_cache[1][span.key_slots]
+        out[rows] = _sdpa(q[rows].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                          span.mask, scale)[0]  # fmt: skip
+    batch = meta.decode
+    if batch is not None:
+        rows = slice(batch.token_start, batch.token_start + batch.num_seqs)
+        keys, values = layer_cache[0][batch.key_slots], layer_cache[1][batch.key_slots]
+        out[rows] = _sdpa(q[rows].unsqueeze(1), keys, values, batch.mask, scale)[:, 0]
+    return out
+
+
+def _sdpa(q, k, v, mask, scale):
+    """q: [B, Lq, H, D], k/v: [B, Lk, KVH, D] -> [B, Lq, H, D]."""
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )  # fmt: skip
+    return out.transpose(1, 2)

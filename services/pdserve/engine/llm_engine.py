@@ -1,0 +1,197 @@
+"""LLMEngine: the step loop (schedule, run, postprocess) and the Python API around it."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.block_manager import BlockManager
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.errors import InvalidRequestError, UnknownRequestError
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.loader import load_model
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.models.llama import LayerDoneCallback
+from pdserve.engine.outputs import OutputProcessor, RequestOutput
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampler import Sampler, SamplingState
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = ModelConfig.from_dir(config.model)
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        self.device = torch.device(config.device)
+        self.tokenizer = Tokenizer.from_dir(config.model)
+        model = load_model(config.model, self.model_config, self.max_model_len,
+                           self.device, config.torch_dtype)  # fmt: skip
+        num_blocks = config.num_kv_blocks or KVCache.num_blocks_for(
+            self.model_config, config.block_size, config.torch_dtype, self.device,
+            config.kv_cache_bytes,
+        )  # fmt: skip
+        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size,
+                                config.torch_dtype, self.device)  # fmt: skip
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          config.enable_prefix_caching)  # fmt: skip
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.block_manager,
+        )
+        self._default_generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.runner = ModelRunner(model, self.kv_cache, Sampler(self._default_generator))
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._sampling: dict[str, SamplingState] = {}
+        self._ids = itertools.count()
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
+            self.model_config.eos_token_ids
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **overrides) -> LLMEngine:
+        return cls(EngineConfig(model=str(model_dir), **overrides))
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request (text or token ids); return its id. Raises InvalidRequestError."""
+        params = params if params is not None else SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if self.scheduler.get_request(request_id) is not None:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        prompt_ids = self._prompt_token_ids(prompt)
+        self._validate(prompt_ids, params)
+        request = Request(request_id, prompt_ids, replace(params), self.eos_token_ids,
+                          arrival_time=time.monotonic())  # fmt: skip
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed)
+        self._sampling[request_id] = SamplingState(
+            request.params, request.prompt_token_ids, request.output_token_ids, generator
+        )
+        self.outputs.add(request)
+        self.scheduler.add_request(request)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks. Unknown ids raise UnknownRequestError."""
+        if self.scheduler.abort_request(request_id) is None:
+            raise UnknownRequestError(request_id)
+        self._forget(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def step(self, on_layer_done: LayerDoneCallback | None = None) -> list[RequestOutput]:
+        """Schedule, run the model once, and return one delta per request that advanced."""
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        sampled, sampler_out = self.runner.execute(plan, self._sampling, on_layer_done)
+        tokens = {s.request.request_id: t for s, t in zip(sampled, sampler_out.token_ids)} \
+            if sampler_out else {}  # fmt: skip
+        logprobs = {s.request.request_id: lp for s, lp in zip(sampled, sampler_out.logprobs)} \
+            if sampler_out else {}  # fmt: skip
+        advanced = self.scheduler.update_from_output(plan, tokens)
+        deltas = []
+        for request in advanced:
+            rid = request.request_id
+            delta, hit_stop_string = self.outputs.process(request, tokens[rid], logprobs[rid])
+            if hit_stop_string:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+            if delta.finished:
+                self._forget(rid)
+            deltas.append(delta)
+        return deltas
+
+    def generate(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion with continuous batching; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise InvalidRequestError("prompts", "must be a list of prompts")
+        per_prompt = params if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise InvalidRequestError("params", "needs one SamplingParams per prompt")
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, per_prompt):
+            request_id = self.add_request(prompt, p)
+            order.append(request_id)
+            results[request_id] = None
+        while any(r is None or not r.finished for r in results.values()):
+            for delta in self.step():
+                if results[delta.request_id] is None:
+                    results[delta.request_id] = delta
+                else:
+                    results[delta.request_id].extend(delta)
+        return [results[rid] for rid in order]
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        for i, token in enumerate(ids):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                raise InvalidRequestError(
+                    f"prompt_token_ids[{i}]", f"{token!r} is outside the vocabulary [0, {vocab})"
+                )
+        if not ids:
+            raise InvalidRequestError("prompt_token_ids", "must not be empty")
+        return ids
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        params.validate(self.model_config.vocab_size)
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"{n} tokens; the context window is {self.max_model_len}"
+            )
+        if n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "sampling_params.max_tokens",
+                f"{params.max_tokens} plus the {n}-token prompt exceeds the context window "
+                f"of {self.max_model_len}",
+            )
+        if not self.scheduler.can_ever_fit(n + params.max_tokens):
+            raise InvalidRequestError(
+                "sampling_params.max_tokens",
+                f"prompt plus max_tokens ({n + params.max_tokens} tokens) needs more KV blocks "
+                f"than this worker has ({self.block_manager.num_blocks})",
+            )
+
+    def _forget(self, request_id: str) -> None:
+        self._sampling.pop(request_id, None)
+        self.outputs.drop(request_id)

@@ -1,0 +1,125 @@
+"""Turn a scheduler step plan into tensors, run the model, and sample.
+
+Row layout of one step: the one-token decode sequences first (batched into one
+padded attention call per layer), then each prefill chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan
+from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.models.llama import LayerDoneCallback, LlamaFamilyModel
+from pdserve.engine.sampler import Sampler, SamplerOutput, SamplingState
+from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # [N]: rows whose hidden state yields a new token
+    sampled: list[ScheduledRequest]  # the N requests, in sample_rows order
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaFamilyModel, kv_cache: KVCache, sampler: Sampler):
+        self.model, self.kv_cache, self.sampler = model, kv_cache, sampler
+        self.block_size = kv_cache.block_size
+        self.sliding_window = model.config.sliding_window
+        self.device = kv_cache.device
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        plan: SchedulerOutput,
+        sampling_states: dict[str, SamplingState],
+        on_layer_done: LayerDoneCallback | None = None,
+    ) -> tuple[list[ScheduledRequest], SamplerOutput | None]:
+        """Run one step; return the requests that got a token and the sampler's output."""
+        inputs = self.prepare(plan)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.slots,
+                            inputs.meta, on_layer_done)  # fmt: skip
+        if not inputs.sampled:
+            return [], None
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        states = [sampling_states[s.request.request_id] for s in inputs.sampled]
+        return inputs.sampled, self.sampler(logits, states)
+
+    def prepare(self, plan: SchedulerOutput) -> StepInputs:
+        decodes = [s for s in plan.scheduled if s.is_decode]
+        prefills = [s for s in plan.scheduled if not s.is_decode]
+        input_ids, positions, slots, sample_rows, sampled = [], [], [], [], []
+        for s in decodes:
+            request, pos = s.request, s.start
+            input_ids.append(request.token_ids[pos])
+            positions.append(pos)
+            slots.append(request.block_ids[pos // self.block_size] * self.block_size
+                         + pos % self.block_size)  # fmt: skip
+            sample_rows.append(len(sample_rows))
+            sampled.append(s)
+        spans = []
+        for s in prefills:
+            row = len(input_ids)
+            spans.append(self._prefill_span(s, row))
+            stop = s.start + s.num_new_tokens
+            input_ids.extend(s.request.token_ids[s.start : stop])
+            positions.extend(range(s.start, stop))
+            slots.extend(self._slots(s.request.block_ids, s.start, stop).tolist())
+            if s.produces_token:
+                sample_rows.append(row + s.num_new_tokens - 1)
+                sampled.append(s)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots),
+            prefills=spans,
+            decode=self._decode_batch(decodes) if decodes else None,
+        )
+        return StepInputs(self._tensor(input_ids), self._tensor(positions), meta,
+                          self._tensor(sample_rows), sampled)  # fmt: skip
+
+    def _tensor(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def _slots(self, block_ids: list[int], start: int, stop: int) -> torch.Tensor:
+        """Cache slots of token positions [start, stop) of one sequence (CPU tensor)."""
+        pos = torch.arange(start, stop)
+        table = torch.tensor(block_ids, dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _prefill_span(self, s: ScheduledRequest, row: int) -> PrefillSpan:
+        start, num_new = s.start, s.num_new_tokens
+        context = start + num_new
+        window = self.sliding_window
+        if start == 0 and (window is None or context <= window):
+            return PrefillSpan(row, num_new, key_slots=None, mask=None)
+        query_pos = torch.arange(start, context).unsqueeze(1)
+        key_pos = torch.arange(context).unsqueeze(0)
+        mask = key_pos <= query_pos
+        if window is not None:
+            mask &= key_pos > query_pos - window
+        key_slots = self._slots(s.request.block_ids, 0, context)
+        return PrefillSpan(row, num_new, key_slots.to(self.device), mask.to(self.device))
+
+    def _decode_batch(self, decodes: list[ScheduledRequest]) -> DecodeBatch:
+        context_lens = torch.tensor([s.start + 1 for s in decodes])
+        max_context = int(context_lens.max())
+        max_blocks = (max_context + self.block_size - 1) // self.block_size
+        table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+        for i, s in enumerate(decodes):
+            ids = s.request.block_ids[:max_blocks]
+            table[i, : len(ids)] = torch.tensor(ids)
+        key_pos = torch.arange(max_context)
+        key_slots = table[:, key_pos // self.block_size] * self.block_size + key_pos % self.block_size
+        mask = key_pos.unsqueeze(0) < context_lens.unsqueeze(1)
+        if self.sliding_window is not None:
+            mask &= key_pos.unsqueeze(0) >= (context_lens - self.sliding_window).unsqueeze(1)
+        return DecodeBatch(
+            token_start=0,
+            num_seqs=len(decodes),
+            key_slots=key_slots.to(self.device),
+            mask=mask[:, None, None, :].to(self.device),
+        )

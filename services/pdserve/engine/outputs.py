@@ -1,0 +1,85 @@
+"""What the engine hands back: per-step deltas and whole results, with text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """From `step()`: what is new this step. From `generate()`: everything."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprobs] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+    def extend(self, delta: RequestOutput) -> None:
+        self.token_ids.extend(delta.token_ids)
+        self.text += delta.text
+        self.finished, self.finish_reason = delta.finished, delta.finish_reason
+        self.num_cached_tokens = delta.num_cached_tokens
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs
+
+
+@dataclass(slots=True)
+class _TextState:
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher | None
+
+
+class OutputProcessor:
+    """Turns new tokens into text deltas and finds stop strings, per request."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self._states: dict[str, _TextState] = {}
+
+    def add(self, request: Request) -> None:
+        if self.tokenizer is None:
+            return
+        stops = request.params.stop
+        self._states[request.request_id] = _TextState(
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+            StopStringMatcher(stops) if stops else None,
+        )
+
+    def process(
+        self, request: Request, new_token: int | None, logprobs: TokenLogprobs | None
+    ) -> tuple[RequestOutput, bool]:
+        """The delta for one request; the bool says a stop string ended it."""
+        text, stopped = "", False
+        state = self._states.get(request.request_id)
+        if state is not None and new_token is not None:
+            text = state.detokenizer.push(new_token)
+            if state.stops is not None:
+                text, stopped = state.stops.feed(text)
+        finished = stopped or request.is_finished
+        if finished and not stopped and state is not None and state.stops is not None:
+            text += state.stops.flush()
+        if finished:
+            self._states.pop(request.request_id, None)
+        reason = RequestStatus.FINISHED_STOPPED.finish_reason if stopped else None
+        output = RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=[] if new_token is None else [new_token],
+            text=text,
+            finished=finished,
+            finish_reason=reason or request.status.finish_reason,
+            logprobs=None if logprobs is None else [logprobs],
+            num_cached_tokens=request.num_cached_tokens or 0,
+        )
+        return output, stopped
+
+    def drop(self, request_id: str) -> None:
+        self._states.pop(request_id, None)

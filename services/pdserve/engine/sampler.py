@@ -1,0 +1,201 @@
+"""Turns a batch of logits into next tokens, one SamplingParams per row.
+
+Order of operations, as in Hugging Face and vLLM: penalties on the raw logits, then
+greedy argmax (temperature 0) or temperature, top-k, top-p, min-p and a draw. Logprobs are
+always those of the model's raw distribution, log_softmax of the logits as they came in,
+before penalties, temperature or filters (vLLM's default "raw_logprobs").
+
+Every row that needs no penalty, filter or logprobs costs nothing extra: each step works on
+the sub-batch of rows that asked for it. The only device sync is the one `.tolist()` at the
+end; small per-row tensors travel host-to-device through pinned memory without blocking.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingState:
+    """One row of the batch. The sampler reads it and never mutates it."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # seeded from params.seed, on the logits' device; None: the sampler's default generator
+    generator: torch.Generator | None = None
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float  # of token_id under the raw distribution
+    top: list[tuple[int, float]]  # params.logprobs (token_id, logprob) pairs, best first
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprobs | None]  # one per row; None where params.logprobs is None
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        """`generator` draws for unseeded rows; None means torch's default for the device."""
+        self.generator = generator
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+        """Sample one token per row of `logits` ([N, V]) for the N `states`, in order."""
+        raw = logits.float()  # left untouched: every step below is out of place
+        penalized = _apply_penalties(raw, states)
+        token_ids = self._sample(penalized, states)  # [N] int64
+        return _to_output(raw, token_ids, states)
+
+    def _sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        rows = [i for i, s in enumerate(states) if not s.params.is_greedy]
+        if not rows:
+            return logits.argmax(dim=-1)
+        idx = _index(rows, logits.device)
+        params = [states[i].params for i in rows]
+        temperature = _to_device([p.temperature for p in params], torch.float32, logits.device)
+        probs = torch.softmax(_select(logits, rows, idx) / temperature[:, None], dim=-1)
+        probs = _apply_filters(probs, params)
+        q = self._exponential(probs, [states[i].generator for i in rows])
+        # Exponential race: argmax(p / q) with q ~ Exp(1) is a draw from p (p need not sum to 1).
+        sampled = probs.div_(q).argmax(dim=-1)
+        if len(rows) == len(states):
+            return sampled
+        return logits.argmax(dim=-1).index_copy_(0, idx, sampled)
+
+    def _exponential(
+        self, probs: torch.Tensor, generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        """Exp(1) noise shaped like probs ([M, V]); a seeded row's noise depends only on its seed
+        and on how many draws it has made, never on the rest of the batch."""
+        q = torch.empty_like(probs)
+        seeded = [(j, g) for j, g in enumerate(generators) if g is not None]
+        if len(seeded) < len(generators):
+            q.exponential_(generator=self.generator)  # one draw shared by the unseeded rows
+        for j, g in seeded:
+            q[j].exponential_(generator=g)
+        # Exp(1) can return 0, and 0 / 0 is NaN, which argmax would pick over real tokens.
+        return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+def _apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """Repetition (HF/CTRL, prompt and output tokens), frequency and presence (OpenAI, output
+    tokens) penalties, for the rows that have any; returns a new tensor."""
+    rows = [i for i, s in enumerate(states) if s.params.has_penalties]
+    if not rows:
+        return logits
+    device, num_rows, vocab_size = logits.device, len(rows), logits.shape[1]
+    idx = _index(rows, device)
+    outputs = _flat_token_index([states[i].output_token_ids for i in rows], vocab_size, device)
+    prompts = _flat_token_index([states[i].prompt_token_ids for i in rows], vocab_size, device)
+    counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
+    counts.scatter_add_(0, outputs, torch.ones_like(outputs, dtype=torch.float32))
+    in_output = counts > 0
+    seen = in_output.index_fill(0, prompts, True).view(num_rows, vocab_size)
+    counts, in_output = counts.view(num_rows, vocab_size), in_output.view(num_rows, vocab_size)
+
+    params = [states[i].params for i in rows]
+    repetition = _to_device([p.repetition_penalty for p in params], torch.float32, device)[:, None]
+    frequency = _to_device([p.frequency_penalty for p in params], torch.float32, device)[:, None]
+    presence = _to_device([p.presence_penalty for p in params], torch.float32, device)[:, None]
+    x = _select(logits, rows, idx)  # [M, V]
+    x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
+    x = x - frequency * counts - presence * in_output
+    return x if len(rows) == len(states) else logits.index_copy(0, idx, x)
+
+
+def _apply_filters(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Zero the probabilities that top-k, then top-p, then min-p remove (HF's order), for the
+    rows that set any of them. Each filter keeps the most likely token, so no row empties.
+    probs: [M, V], rows summing to 1; the result is not renormalized."""
+    rows = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0]
+    if not rows:
+        return probs
+    device, vocab_size = probs.device, probs.shape[1]
+    idx = _index(rows, device)
+    kept = [params[j] for j in rows]
+    top_k = _to_device([p.top_k or vocab_size for p in kept], torch.int64, device)[:, None]
+    top_p = _to_device([p.top_p for p in kept], torch.float32, device)[:, None]
+    min_p = _to_device([p.min_p for p in kept], torch.float32, device)[:, None]
+
+    # stable: ties keep index order, so what survives never depends on the batch
+    p, order = _select(probs, rows, idx).sort(dim=-1, descending=True, stable=True)  # [M, V]
+    keep = torch.arange(vocab_size, device=device) < top_k
+    p = p.masked_fill(~keep, 0.0)
+    # top-p on the distribution left by top-k: keep a token while the mass above it is < top_p.
+    # top_p == 1 is skipped outright, since rounding in cumsum could drop the tail.
+    mass_above = p.cumsum(dim=-1) - p
+    keep &= (mass_above < top_p * p.sum(dim=-1, keepdim=True)) | (top_p >= 1.0)
+    keep &= p >= min_p * p[:, :1]
+    filtered = torch.zeros_like(p).scatter_(-1, order, p.masked_fill_(~keep, 0.0))
+    return filtered if len(rows) == len(params) else probs.index_copy(0, idx, filtered)
+
+
+def _to_output(
+    raw: torch.Tensor, token_ids: torch.Tensor, states: Sequence[SamplingState]
+) -> SamplerOutput:
+    rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    if not rows:
+        return SamplerOutput(token_ids.tolist(), [None] * len(states))
+    idx = _index(rows, raw.device)
+    num_top = max(states[i].params.logprobs for i in rows)
+    logprobs = torch.log_softmax(_select(raw, rows, idx), dim=-1)  # [M, V]
+    chosen = logprobs.gather(-1, _select(token_ids, rows, idx)[:, None])  # [M, 1]
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)  # [M, K], sorted best first
+    # One transfer for everything: float64 holds token ids exactly and float32 logprobs as is.
+    # Layout: N token ids, then per logprob row [chosen, K top ids, K top logprobs].
+    per_row = torch.cat([chosen.double(), top_ids.double(), top_values.double()], dim=-1)
+    packed = torch.cat([token_ids.double(), per_row.flatten()]).tolist()
+
+    num_rows, width = len(states), 1 + 2 * num_top
+    ids = [int(t) for t in packed[:num_rows]]
+    out: list[TokenLogprobs | None] = [None] * num_rows
+    for j, i in enumerate(rows):
+        row = packed[num_rows + j * width : num_rows + (j + 1) * width]
+        n = states[i].params.logprobs
+        top_ids_row = [int(t) for t in row[1 : 1 + n]]
+        top_row = list(zip(top_ids_row, row[1 + num_top : 1 + num_top + n], strict=True))
+        out[i] = TokenLogprobs(ids[i], row[0], top_row)
+    return SamplerOutput(ids, out)
+
+
+def _flat_token_index(
+    token_lists: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """Positions of (row j, token t) in a flattened [M, V] tensor: j * V + t, one per token."""
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], dtype=torch.int64)
+    tokens = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
+    row = torch.repeat_interleave(torch.arange(len(token_lists)), lengths)
+    return _pinned(row * vocab_size + tokens, device)
+
+
+def _select(x: torch.Tensor, rows: list[int], idx: torch.Tensor) -> torch.Tensor:
+    """x[rows], without a gather when rows is every row of x (rows is increasing)."""
+    return x if len(rows) == x.shape[0] else x.index_select(0, idx)
+
+
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    return _to_device(rows, torch.int64, device)
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _pinned(torch.tensor(values, dtype=dtype), device)
+
+
+def _pinned(cpu: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy to device without a sync: a blocking copy from pageable memory waits for the
+    stream, a non-blocking one from pinned memory does not."""
+    if device.type == "cpu":
+        return cpu
+    return cpu.pin_memory().to(device, non_blocking=True)

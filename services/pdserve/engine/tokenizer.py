@@ -1,0 +1,293 @@
+"""Text in and out of token ids: a Hugging Face `tokenizer.json`, streaming detokenization and
+stop strings.
+
+The engine itself only sees token ids; these classes sit at its edges, turning a prompt into
+ids and a stream of sampled ids back into a stream of text deltas.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import tokenizers
+
+from pdserve.engine.errors import InvalidRequestError, ModelLoadError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+MODEL_CONFIG_FILE = "config.json"
+
+# What a decoder yields for bytes that are not (yet) a whole UTF-8 character.
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the special token ids the engine needs to stop.
+
+    `encode` adds special tokens exactly as the tokenizer.json post-processor defines, which is
+    what `transformers.AutoTokenizer` does for Llama and Qwen tokenizers (transformers 5 does
+    not rewrite the post-processor from `add_bos_token`, so neither do we).
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        eos_token_ids: frozenset[int],
+        bos_token_id: int | None,
+    ):
+        self._backend = backend
+        self._eos_token_ids = eos_token_ids
+        self._bos_token_id = bos_token_id
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Load `tokenizer.json` and the optional tokenizer, generation and model configs.
+
+        Raises:
+            ModelLoadError: naming the file (and field) that is missing or malformed.
+        """
+        model_dir = Path(model_dir)
+        backend = _load_backend(model_dir / TOKENIZER_FILE)
+        configs = {
+            name: _read_json(model_dir / name)
+            for name in (TOKENIZER_CONFIG_FILE, GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE)
+        }
+        return cls(
+            backend,
+            eos_token_ids=_eos_token_ids(backend, configs, model_dir),
+            bos_token_id=_bos_token_id(backend, configs, model_dir),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """The tokenizer's vocabulary, added tokens included (a model's may be padded larger)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos_token_ids
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Ids the tokenizer does not know (a padded model vocabulary) decode to nothing."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def _load_backend(path: Path) -> tokenizers.Tokenizer:
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing (a Hugging Face tokenizer.json is required)")
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust side raises a bare Exception for every parse error
+        raise ModelLoadError(f"{path}: malformed tokenizer.json: {e}") from e
+
+
+def _eos_token_ids(
+    backend: tokenizers.Tokenizer, configs: dict[str, dict], model_dir: Path
+) -> frozenset[int]:
+    # generation_config.json overrides config.json, as in transformers; the tokenizer's own
+    # eos_token is a stop as well.
+    name = GENERATION_CONFIG_FILE
+    if "eos_token_id" not in configs[name]:
+        name = MODEL_CONFIG_FILE
+    eos_ids = _token_ids(configs[name], "eos_token_id", model_dir / name)
+    name = TOKENIZER_CONFIG_FILE
+    eos_token_id = _special_token_id(backend, configs[name], "eos_token", model_dir / name)
+    if eos_token_id is not None:
+        eos_ids.add(eos_token_id)
+    return frozenset(eos_ids)
+
+
+def _bos_token_id(
+    backend: tokenizers.Tokenizer, configs: dict[str, dict], model_dir: Path
+) -> int | None:
+    name = TOKENIZER_CONFIG_FILE
+    bos_token_id = _special_token_id(backend, configs[name], "bos_token", model_dir / name)
+    if bos_token_id is not None:
+        return bos_token_id
+    for name in (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE):
+        bos_ids = _token_ids(configs[name], "bos_token_id", model_dir / name)
+        if len(bos_ids) > 1:
+            raise ModelLoadError(f"{model_dir / name}: field bos_token_id: expected one id")
+        if bos_ids:
+            return bos_ids.pop()
+    return None
+
+
+def _read_json(path: Path) -> dict:
+    """An optional JSON object file: {} when absent, ModelLoadError when malformed."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}: malformed JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_ids(config: dict, field: str, path: Path) -> set[int]:
+    """`field` as a set of ids: configs write an int, a list of ints or null."""
+    value = config.get(field)
+    if value is None:
+        return set()
+    values = value if isinstance(value, list) else [value]
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ModelLoadError(f"{path}: field {field}: expected token ids, got {value!r}")
+    return set(values)
+
+
+def _special_token_id(
+    backend: tokenizers.Tokenizer, tokenizer_config: dict, field: str, path: Path
+) -> int | None:
+    """The id of a token named in tokenizer_config.json, as a string or an AddedToken dict."""
+    token = tokenizer_config.get(field)
+    if isinstance(token, dict):
+        token = token.get("content")
+    if token is None:
+        return None
+    if not isinstance(token, str):
+        raise ModelLoadError(f"{path}: field {field}: expected a token string, got {token!r}")
+    token_id = backend.token_to_id(token)
+    if token_id is None:
+        raise ModelLoadError(f"{path}: field {field}: {token!r} is not in the vocabulary")
+    return token_id
+
+
+# Prompt tokens decoded as context before the first output token, so that a tokenizer that
+# strips the leading space of the first decoded token (SentencePiece "▁") does not strip it.
+_NUM_PROMPT_CONTEXT_TOKENS = 5
+# A UTF-8 character is at most 4 bytes, so an unfinished one spans at most 3 pending tokens.
+# A replacement character still at the end after this many tokens comes from invalid bytes,
+# not an unfinished character, and is emitted; so are runs of skipped special tokens. This
+# bounds the window, and so the cost per token.
+_MAX_PENDING_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into a stream of text deltas.
+
+    It decodes a small window `[prefix | pending]` of token ids and emits the text beyond the
+    decoded prefix. The prefix (the tokens emitted last time, or the tail of the prompt) gives
+    each new token the context it decodes in: a SentencePiece "▁" keeps its space and byte
+    tokens join into characters. Text ending in an unfinished UTF-8 character is held back
+    until the character is complete. Each push costs O(window), never O(output length).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+    ):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        # invariant: _window_ids[:_num_prefix_tokens] decode to _prefix_text, and the rest are
+        # pending: pushed but not yet emitted
+        self._window_ids = list(prompt_token_ids[-_NUM_PROMPT_CONTEXT_TOKENS:])
+        self._num_prefix_tokens = len(self._window_ids)
+        self._prefix_text = self._decode(self._window_ids)
+
+    def push(self, token_id: int) -> str:
+        """Add one sampled token; return the text it completes (often "", never half a char)."""
+        self._window_ids.append(token_id)
+        text = self._decode(self._window_ids)
+        num_pending = len(self._window_ids) - self._num_prefix_tokens
+        if num_pending < _MAX_PENDING_TOKENS and (
+            len(text) <= len(self._prefix_text)  # e.g. a skipped special token
+            or text.endswith(REPLACEMENT_CHAR)
+        ):
+            return ""
+        return self._advance(text)
+
+    def flush(self) -> str:
+        """The held-back text, unfinished characters included, for when the output ends."""
+        return self._advance(self._decode(self._window_ids))
+
+    def _advance(self, text: str) -> str:
+        delta = text[len(self._prefix_text) :]
+        # the pending tokens become the next prefix
+        del self._window_ids[: self._num_prefix_tokens]
+        self._num_prefix_tokens = len(self._window_ids)
+        self._prefix_text = self._decode(self._window_ids)
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+
+class StopStringMatcher:
+    """Finds stop strings in a stream of text deltas without ever emitting part of one.
+
+    It holds back the longest suffix of the text seen so far that could still begin a stop
+    string, so the held text is always shorter than the longest stop string. When stop strings
+    overlap, the one that completes first in the stream wins (on a tie, the one that starts
+    first), so the result does not depend on how the text was split into deltas.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        for i, stop in enumerate(stops):
+            if not isinstance(stop, str) or not stop:
+                raise InvalidRequestError(
+                    f"sampling_params.stop[{i}]", "must be a non-empty string"
+                )
+        self._stops = tuple(stops)
+        self._held = ""
+        self._stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Returns (text safe to emit now, whether a stop string was found).
+
+        On a stop, the text is what preceded the stop string; the stop string is dropped and
+        later feeds return ("", True).
+        """
+        if self._stopped:
+            return "", True
+        text = self._held + delta
+        stop_start = self._first_stop_start(text)
+        if stop_start is not None:
+            self._held = ""
+            self._stopped = True
+            return text[:stop_start], True
+        num_held = self._num_partial_suffix_chars(text)
+        self._held = text[len(text) - num_held :]
+        return text[: len(text) - num_held], False
+
+    def flush(self) -> str:
+        """The held-back text, for when the output ends for another reason."""
+        held, self._held = self._held, ""
+        return held
+
+    def _first_stop_start(self, text: str) -> int | None:
+        # (end, start) of each stop string's first occurrence; the smallest completes first
+        matches = []
+        for stop in self._stops:
+            start = text.find(stop)
+            if start != -1:
+                matches.append((start + len(stop), start))
+        return min(matches)[1] if matches else None
+
+    def _num_partial_suffix_chars(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self._stops:
+            for n in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
