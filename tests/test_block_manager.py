@@ -6,6 +6,7 @@ import hashlib
 import struct
 
 import pytest
+
 from pdserve.engine import block_manager as block_manager_module
 from pdserve.engine.block_manager import BlockAccountingError, BlockManager, hash_block_tokens
 from pdserve.engine.request import Request

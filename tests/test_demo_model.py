@@ -4,6 +4,9 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from pdserve.engine.demo_model import (
     demo_config,
     num_parameters,
@@ -12,8 +15,6 @@ from pdserve.engine.demo_model import (
     write_demo_model,
 )
 from pdserve.engine.tokenizer import Tokenizer
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 FILES = [
     "config.json",

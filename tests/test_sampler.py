@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from pdserve.engine.sampler import Sampler, SamplingState
 from pdserve.engine.sampling_params import SamplingParams
 

@@ -32,3 +32,7 @@ class UnknownRequestError(EngineError, KeyError):
 
     def __str__(self) -> str:
         return f"unknown request id {self.request_id!r}"
+
+
+class KVCapacityError(EngineError):
+    """No room for a request's KV blocks right now; the caller may retry or go elsewhere."""

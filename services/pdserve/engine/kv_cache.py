@@ -8,6 +8,7 @@ streams them layer by layer). Bytes are the tensor's own memory: never pickle.
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -78,6 +79,12 @@ class KVCache:
             raise ValueError(
                 f"KV chunk of layer {chunk.layer} is {chunk.dtype}{list(chunk.shape)}, "
                 f"expected {_DTYPE_NAMES[self.dtype]}{list(expected)}"
+            )
+        expected_bytes = math.prod(expected) * self.blocks.element_size()
+        if len(chunk.data) != expected_bytes:
+            raise ValueError(
+                f"KV chunk of layer {chunk.layer} holds {len(chunk.data)} bytes, "
+                f"expected {expected_bytes}"
             )
         if zlib.crc32(chunk.data) != chunk.checksum:
             raise ValueError(f"KV chunk of layer {chunk.layer} fails its checksum")

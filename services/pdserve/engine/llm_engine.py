@@ -12,14 +12,14 @@ import torch
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.errors import InvalidRequestError, UnknownRequestError
-from pdserve.engine.kv_cache import KVCache
+from pdserve.engine.errors import InvalidRequestError, KVCapacityError, UnknownRequestError
+from pdserve.engine.kv_cache import KVCache, KVLayerChunk
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.llama import LayerDoneCallback
 from pdserve.engine.outputs import OutputProcessor, RequestOutput
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampler import Sampler, SamplingState
+from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig
 from pdserve.engine.tokenizer import Tokenizer
@@ -59,7 +59,9 @@ class LLMEngine:
         self._default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.runner = ModelRunner(model, self.kv_cache, Sampler(self._default_generator))
         self.outputs = OutputProcessor(self.tokenizer)
-        self._sampling: dict[str, SamplingState] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        # Requests holding blocks for a prompt KV being imported (not yet scheduled).
+        self._reserved: dict[str, Request] = {}
         self._ids = itertools.count()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.model_config.eos_token_ids
@@ -86,19 +88,17 @@ class LLMEngine:
         self._validate(prompt_ids, params)
         request = Request(request_id, prompt_ids, replace(params), self.eos_token_ids,
                           arrival_time=time.monotonic())  # fmt: skip
-        generator = None
         if params.seed is not None:
-            generator = torch.Generator(self.device).manual_seed(params.seed)
-        self._sampling[request_id] = SamplingState(
-            request.params, request.prompt_token_ids, request.output_token_ids, generator
-        )
+            self._generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
         self.outputs.add(request)
         self.scheduler.add_request(request)
         return request_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks. Unknown ids raise UnknownRequestError."""
-        if self.scheduler.abort_request(request_id) is None:
+        if request_id in self._reserved:
+            self.release_kv(request_id)
+        elif self.scheduler.abort_request(request_id) is None:
             raise UnknownRequestError(request_id)
         self._forget(request_id)
 
@@ -112,11 +112,12 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
-        sampled, sampler_out = self.runner.execute(plan, self._sampling, on_layer_done)
-        tokens = {s.request.request_id: t for s, t in zip(sampled, sampler_out.token_ids)} \
-            if sampler_out else {}  # fmt: skip
-        logprobs = {s.request.request_id: lp for s, lp in zip(sampled, sampler_out.logprobs)} \
-            if sampler_out else {}  # fmt: skip
+        sampled, sampler_out = self.runner.execute(plan, self._generators, on_layer_done)
+        tokens, logprobs = {}, {}
+        if sampler_out is not None:
+            for s, token, lp in zip(sampled, sampler_out.token_ids, sampler_out.logprobs,
+                                    strict=True):  # fmt: skip
+                tokens[s.request.request_id], logprobs[s.request.request_id] = token, lp
         advanced = self.scheduler.update_from_output(plan, tokens)
         deltas = []
         for request in advanced:
@@ -142,7 +143,7 @@ class LLMEngine:
             raise InvalidRequestError("params", "needs one SamplingParams per prompt")
         results: dict[str, RequestOutput] = {}
         order = []
-        for prompt, p in zip(prompts, per_prompt):
+        for prompt, p in zip(prompts, per_prompt, strict=True):
             request_id = self.add_request(prompt, p)
             order.append(request_id)
             results[request_id] = None
@@ -153,6 +154,84 @@ class LLMEngine:
                 else:
                     results[delta.request_id].extend(delta)
         return [results[rid] for rid in order]
+
+    # -- KV export and import (the disaggregated hand-off) --------------------------------
+
+    def export_kv(self, request_id: str, layer: int, num_tokens: int | None = None) -> KVLayerChunk:
+        """One layer's KV of a live request's first `num_tokens` tokens (default: computed).
+
+        Call it from an `on_layer_done` callback of `step()` to ship a layer while later
+        layers still compute.
+        """
+        request = self._live_request(request_id)
+        n = request.num_computed_tokens if num_tokens is None else num_tokens
+        return self.kv_cache.export_layer(layer, request.block_ids[: self._blocks_for(n)])
+
+    def reserve_kv(
+        self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str
+    ) -> list[int]:
+        """Allocate blocks for a prompt whose KV will be imported; return their ids.
+
+        Raises InvalidRequestError for a bad request, KVCapacityError when the blocks
+        are not free now. `release_kv` or `commit_kv` must follow.
+        """
+        if request_id in self._reserved or self.scheduler.get_request(request_id) is not None:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        prompt_ids = self._prompt_token_ids(list(prompt_token_ids))
+        self._validate(prompt_ids, params)
+        request = Request(request_id, prompt_ids, replace(params), self.eos_token_ids,
+                          arrival_time=time.monotonic())  # fmt: skip
+        if self.block_manager.allocate_slots(request, len(prompt_ids)) is None:
+            raise KVCapacityError(
+                f"{self._blocks_for(len(prompt_ids))} KV blocks needed, "
+                f"{self.block_manager.num_free_blocks} free"
+            )
+        self._reserved[request_id] = request
+        return list(request.block_ids)
+
+    def import_kv(self, request_id: str, chunk: KVLayerChunk, first_block: int = 0) -> None:
+        """Write a chunk into a reserved request's blocks, from block index `first_block`."""
+        request = self._reserved.get(request_id)
+        if request is None:
+            raise UnknownRequestError(request_id)
+        block_ids = request.block_ids[first_block : first_block + chunk.num_blocks]
+        if len(block_ids) != chunk.num_blocks:
+            raise InvalidRequestError(
+                "kv_chunk.block_range",
+                f"blocks {first_block}..{first_block + chunk.num_blocks} outside the "
+                f"{len(request.block_ids)} reserved",
+            )
+        self.kv_cache.import_layer(chunk, block_ids)
+
+    def commit_kv(self, request_id: str, first_token_id: int) -> None:
+        """The prompt's KV is complete: continue the request from its first token."""
+        request = self._reserved.pop(request_id, None)
+        if request is None:
+            raise UnknownRequestError(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.append_output_token(first_token_id)
+        if request.params.seed is not None:
+            self._generators[request_id] = torch.Generator(self.device).manual_seed(
+                request.params.seed
+            )
+        self.outputs.add(request, already_sent=[first_token_id])
+        self.scheduler.add_prefilled_request(request)
+
+    def release_kv(self, request_id: str) -> None:
+        """Give back a reservation that will not be committed (lease expired or cancelled)."""
+        request = self._reserved.pop(request_id, None)
+        if request is None:
+            raise UnknownRequestError(request_id)
+        self.block_manager.free(request)
+
+    def _live_request(self, request_id: str) -> Request:
+        request = self.scheduler.get_request(request_id) or self._reserved.get(request_id)
+        if request is None:
+            raise UnknownRequestError(request_id)
+        return request
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.config.block_size)
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -193,5 +272,5 @@ class LLMEngine:
             )
 
     def _forget(self, request_id: str) -> None:
-        self._sampling.pop(request_id, None)
+        self._generators.pop(request_id, None)
         self.outputs.drop(request_id)

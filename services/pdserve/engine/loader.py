@@ -65,7 +65,7 @@ class _Checkpoint:
             except (SafetensorError, OSError) as exc:
                 raise ModelLoadError(f"{path}: not a readable safetensors file ({exc})") from exc
             self.handles.append(handle)
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 self.where[name] = (path, handle)
 
     def get(self, name: str) -> torch.Tensor:

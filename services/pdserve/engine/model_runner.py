@@ -13,6 +13,7 @@ import torch
 from pdserve.engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.models.llama import LayerDoneCallback, LlamaFamilyModel
+from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SamplerOutput, SamplingState
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -37,17 +38,21 @@ class ModelRunner:
     def execute(
         self,
         plan: SchedulerOutput,
-        sampling_states: dict[str, SamplingState],
+        generators: dict[str, torch.Generator],
         on_layer_done: LayerDoneCallback | None = None,
     ) -> tuple[list[ScheduledRequest], SamplerOutput | None]:
-        """Run one step; return the requests that got a token and the sampler's output."""
+        """Run one step; return the requests that got a token and the sampler's output.
+
+        `generators` holds the seeded requests' own random generators, by request id.
+        """
         inputs = self.prepare(plan)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.slots,
                             inputs.meta, on_layer_done)  # fmt: skip
         if not inputs.sampled:
             return [], None
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        states = [sampling_states[s.request.request_id] for s in inputs.sampled]
+        states = [sampling_state(s.request, generators.get(s.request.request_id))
+                  for s in inputs.sampled]  # fmt: skip
         return inputs.sampled, self.sampler(logits, states)
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs:
@@ -113,7 +118,8 @@ class ModelRunner:
             ids = s.request.block_ids[:max_blocks]
             table[i, : len(ids)] = torch.tensor(ids)
         key_pos = torch.arange(max_context)
-        key_slots = table[:, key_pos // self.block_size] * self.block_size + key_pos % self.block_size
+        block_of, offset = key_pos // self.block_size, key_pos % self.block_size
+        key_slots = table[:, block_of] * self.block_size + offset
         mask = key_pos.unsqueeze(0) < context_lens.unsqueeze(1)
         if self.sliding_window is not None:
             mask &= key_pos.unsqueeze(0) >= (context_lens - self.sliding_window).unsqueeze(1)
@@ -123,3 +129,15 @@ class ModelRunner:
             key_slots=key_slots.to(self.device),
             mask=mask[:, None, None, :].to(self.device),
         )
+
+
+def sampling_state(request: Request, generator: torch.Generator | None) -> SamplingState:
+    """What the sampler needs of a request this step."""
+    params = request.params
+    banned: tuple[int, ...] = ()
+    if request.num_output_tokens < params.min_tokens:
+        eos = () if params.ignore_eos else tuple(request.eos_token_ids)
+        banned = (*eos, *params.stop_token_ids)
+    # Only penalties read the output tokens; slicing them costs O(length) per step.
+    outputs = request.output_token_ids if params.has_penalties else []
+    return SamplingState(params, request.prompt_token_ids, outputs, generator, banned)

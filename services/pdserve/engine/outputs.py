@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.engine.request import Request, RequestStatus
@@ -40,16 +41,15 @@ class _TextState:
 class OutputProcessor:
     """Turns new tokens into text deltas and finds stop strings, per request."""
 
-    def __init__(self, tokenizer: Tokenizer | None):
+    def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self._states: dict[str, _TextState] = {}
 
-    def add(self, request: Request) -> None:
-        if self.tokenizer is None:
-            return
+    def add(self, request: Request, already_sent: Sequence[int] = ()) -> None:
+        """Track a request; `already_sent` tokens were streamed by another engine."""
         stops = request.params.stop
         self._states[request.request_id] = _TextState(
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+            IncrementalDetokenizer(self.tokenizer, [*request.prompt_token_ids, *already_sent]),
             StopStringMatcher(stops) if stops else None,
         )
 

@@ -30,6 +30,8 @@ class SamplingState:
     output_token_ids: list[int]
     # seeded from params.seed, on the logits' device; None: the sampler's default generator
     generator: torch.Generator | None = None
+    # never sampled this step (EOS and stop ids while fewer than min_tokens are out)
+    banned_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -54,7 +56,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
         """Sample one token per row of `logits` ([N, V]) for the N `states`, in order."""
         raw = logits.float()  # left untouched: every step below is out of place
-        penalized = _apply_penalties(raw, states)
+        penalized = _apply_penalties(_apply_bans(raw, states), states)
         token_ids = self._sample(penalized, states)  # [N] int64
         return _to_output(raw, token_ids, states)
 
@@ -87,6 +89,17 @@ class Sampler:
             q[j].exponential_(generator=g)
         # Exp(1) can return 0, and 0 / 0 is NaN, which argmax would pick over real tokens.
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+def _apply_bans(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """-inf for each row's banned tokens; returns a new tensor when any row has some."""
+    pairs = [(i, t) for i, s in enumerate(states) for t in s.banned_token_ids]
+    if not pairs:
+        return logits
+    rows, cols = zip(*pairs, strict=True)
+    banned = logits.clone()
+    banned[_index(list(rows), logits.device), _index(list(cols), logits.device)] = float("-inf")
+    return banned
 
 
 def _apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

@@ -145,6 +145,21 @@ class Scheduler:
         self.waiting.append(request)
         self._requests[request.request_id] = request
 
+    def add_prefilled_request(self, request: Request) -> None:
+        """Join the running batch with a prompt whose KV another engine computed.
+
+        The caller has allocated the request's blocks, imported the prompt's KV into
+        them, set num_computed_tokens to the prompt length and appended the first token.
+        If it is preempted later it is recomputed like any other request.
+        """
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.num_cached_tokens = 0  # computed elsewhere, not served from this cache
+        self.block_manager.cache_full_blocks(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._requests[request.request_id] = request
+
     def abort_request(self, request_id: str) -> Request | None:
         """Drop a waiting or running request and free its blocks; None if unknown."""
         return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
