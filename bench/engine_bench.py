@@ -25,6 +25,7 @@ repeats reuse one prompt and a cache hit would skip the work being measured.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import random
 import statistics
@@ -33,6 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import transformers
@@ -47,6 +49,10 @@ from pdserve.engine.sampling_params import SamplingParams
 FIRST_PROMPT_ID, PROMPT_ID_LIMIT = 3, 3000
 PROMPT_SEED = 0
 BLOCK_SIZE = 16
+# Above this share of the machine taken by other processes, the run says its figures are noise.
+NOISY_SHARE = 0.05
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +76,9 @@ class Result:
     ours: float
     theirs: float
     unit: str
-    # ratio is ours / theirs; higher_is_better: the target is a floor, else a ceiling
-    target: float | None  # None: reported for context, no target
-    higher_is_better: bool
+    # for ours / theirs; None: the row is context, with no target
+    target: float | None
+    higher_is_better: bool = True  # the target is a floor; else a ceiling
 
     @property
     def ratio(self) -> float:
@@ -98,10 +104,60 @@ class Result:
 # -- timing ---------------------------------------------------------------------------------
 
 
-def median_of(repeats: int, run: Callable[[], float]) -> float:
-    """One untimed warm-up, then the median of `repeats` timed runs (run returns a figure)."""
-    run()
-    return statistics.median(run() for _ in range(repeats))
+def paired_runs(
+    repeats: int, ours: Callable[[], T], theirs: Callable[[], T]
+) -> tuple[list[T], list[T]]:
+    """`repeats` timed runs of each side, after one untimed warm-up of each.
+
+    The runs alternate (ours, theirs, theirs, ours, ...) so that a slow spell of the machine
+    (another process, a frequency change) lands on both sides rather than on one.
+    """
+    ours(), theirs()
+    ours_runs, theirs_runs = [], []
+    for i in range(repeats):
+        pair = [(ours, ours_runs), (theirs, theirs_runs)]
+        for run, runs in pair if i % 2 == 0 else reversed(pair):
+            runs.append(run())
+    return ours_runs, theirs_runs
+
+
+def median_of(figure: Callable[[T], float], runs: list[T]) -> float:
+    return statistics.median(figure(run) for run in runs)
+
+
+class CpuWatch:
+    """How much CPU other processes took while we ran, from /proc/stat (Linux only).
+
+    On a 2-core machine one busy neighbour halves what both sides get and makes every
+    figure noise, so the report says how quiet the machine was.
+    """
+
+    def __init__(self) -> None:
+        self.start = (_machine_busy_seconds(), time.process_time(), time.perf_counter())
+
+    def report(self) -> str:
+        busy0, own0, wall0 = self.start
+        busy1 = _machine_busy_seconds()
+        if busy0 is None or busy1 is None:
+            return "CPU use of other processes: unknown (no /proc/stat)"
+        others = max(0.0, (busy1 - busy0) - (time.process_time() - own0))
+        wall = time.perf_counter() - wall0
+        share = others / (wall * (os.cpu_count() or 1))
+        verdict = "; figures are unreliable" if share > NOISY_SHARE else ""
+        return (
+            f"other processes used {others:.1f} CPU-s in {wall:.0f} s "
+            f"({share:.0%} of the machine){verdict}"
+        )
+
+
+def _machine_busy_seconds() -> float | None:
+    stat = Path("/proc/stat")
+    if not stat.is_file():
+        return None
+    # cpu  user nice system idle iowait irq softirq steal ...  (in clock ticks)
+    fields = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 class FirstTokenClock(BaseStreamer):
@@ -127,11 +183,15 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def engine_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int):
-    """Step the engine until every prompt is done.
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    tokens: list[list[int]]  # the new tokens of each prompt, in prompt order
+    first_token_s: float  # from the call to the first new token of any prompt
+    total_s: float
 
-    Returns (tokens per prompt, seconds to the first token of any prompt, total seconds).
-    """
+
+def engine_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> RunResult:
+    """Add every prompt, then step the engine until all are done."""
     start = time.perf_counter()
     ids = [engine.add_request(p, greedy(max_tokens)) for p in prompts]
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
@@ -142,11 +202,11 @@ def engine_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int):
             if first_token_at is None and delta.token_ids:
                 first_token_at = time.perf_counter()
     end = time.perf_counter()
-    return [tokens[rid] for rid in ids], first_token_at - start, end - start
+    return RunResult([tokens[rid] for rid in ids], first_token_at - start, end - start)
 
 
-def hf_generate(model, prompts: list[list[int]], max_new_tokens: int):
-    """Static-batch greedy `generate`, left-padded; same returns as `engine_run`."""
+def hf_generate(model, prompts: list[list[int]], max_new_tokens: int) -> RunResult:
+    """One static-batch greedy `generate`, left-padded."""
     input_ids, attention_mask = left_pad(prompts)
     clock = FirstTokenClock()
     start = time.perf_counter()
@@ -161,7 +221,7 @@ def hf_generate(model, prompts: list[list[int]], max_new_tokens: int):
         )
     end = time.perf_counter()
     new_tokens = out[:, input_ids.shape[1] :].tolist()
-    return new_tokens, clock.first_token_at - start, end - start
+    return RunResult(new_tokens, clock.first_token_at - start, end - start)
 
 
 def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,62 +246,98 @@ def hf_prefill_seconds(model, prompt: list[int]) -> float:
 # -- the three measurements -----------------------------------------------------------------
 
 
-def decode_tokens_per_s(run, num_tokens: int) -> float:
-    _, ttft, total = run()
-    return (num_tokens - 1) / (total - ttft)
+def decode_tokens_per_s(run: RunResult) -> float:
+    """Tokens after the first, over the time after the first (batch 1)."""
+    return (len(run.tokens[0]) - 1) / (run.total_s - run.first_token_s)
+
+
+def whole_call_tokens_per_s(run: RunResult) -> float:
+    return sum(len(t) for t in run.tokens) / run.total_s
 
 
 def bench_batch1(engine, model, w: Workload, prompt: list[int]) -> tuple[list[Result], bool]:
     n = w.decode_new_tokens
-    ours_tokens = engine_run(engine, [prompt], n)[0][0]
-    theirs_tokens = hf_generate(model, [prompt], n)[0][0]
+    ours, theirs = paired_runs(
+        w.repeats,
+        lambda: engine_run(engine, [prompt], n),
+        lambda: hf_generate(model, [prompt], n),
+    )
+    ours_tokens, theirs_tokens = ours[0].tokens[0], theirs[0].tokens[0]
     same = ours_tokens == theirs_tokens
-    agree = next((i for i, (a, b) in enumerate(zip(ours_tokens, theirs_tokens)) if a != b), n)
+    pairs = zip(ours_tokens, theirs_tokens, strict=True)
+    agree = next((i for i, (a, b) in enumerate(pairs) if a != b), n)
     print(f"batch-1 greedy outputs identical: {same} ({agree}/{n} tokens before any difference)")
-
-    ours = median_of(w.repeats, lambda: decode_tokens_per_s(lambda: engine_run(engine, [prompt], n), n))
-    theirs = median_of(w.repeats, lambda: decode_tokens_per_s(lambda: hf_generate(model, [prompt], n), n))
-    ours_e2e = median_of(w.repeats, lambda: n / engine_run(engine, [prompt], n)[2])
-    theirs_e2e = median_of(w.repeats, lambda: n / hf_generate(model, [prompt], n)[2])
-    return [
-        Result(f"batch-1 decode tokens/s (prompt {w.decode_prompt_len}, {n} new)",
-               ours, theirs, "tok/s", 1.5, higher_is_better=True),
-        Result("batch-1 whole-call tokens/s (prefill included)",
-               ours_e2e, theirs_e2e, "tok/s", None, higher_is_better=True),
-    ], same  # fmt: skip
+    results = [
+        Result(
+            f"batch-1 decode tokens/s (prompt {w.decode_prompt_len}, {n} new)",
+            median_of(decode_tokens_per_s, ours),
+            median_of(decode_tokens_per_s, theirs),
+            unit="tok/s",
+            target=1.5,
+        ),
+        Result(
+            "batch-1 whole-call tokens/s (prefill included)",
+            median_of(whole_call_tokens_per_s, ours),
+            median_of(whole_call_tokens_per_s, theirs),
+            unit="tok/s",
+            target=None,
+        ),
+    ]
+    return results, same
 
 
 def bench_concurrent(engine, model, w: Workload, prompts: list[list[int]]) -> Result:
-    n, total_tokens = w.batch_new_tokens, w.batch_size * w.batch_new_tokens
-    ours_out, theirs_out = engine_run(engine, prompts, n)[0], hf_generate(model, prompts, n)[0]
-    num_same = sum(a == b for a, b in zip(ours_out, theirs_out))
-    print(f"batch-{w.batch_size} greedy outputs identical: {num_same}/{len(prompts)} requests")
-    ours = median_of(w.repeats, lambda: total_tokens / engine_run(engine, prompts, n)[2])
-    theirs = median_of(w.repeats, lambda: total_tokens / hf_generate(model, prompts, n)[2])
+    n = w.batch_new_tokens
+    ours, theirs = paired_runs(
+        w.repeats,
+        lambda: engine_run(engine, prompts, n),
+        lambda: hf_generate(model, prompts, n),
+    )
+    pairs = zip(ours[0].tokens, theirs[0].tokens, strict=True)
+    print(
+        f"batch-{len(prompts)} greedy outputs identical: "
+        f"{sum(a == b for a, b in pairs)}/{len(prompts)} requests"
+    )
     return Result(
         f"{w.batch_size} concurrent output tokens/s (prompt {w.batch_prompt_len}, {n} new)",
-        ours, theirs, "tok/s", 1.5, higher_is_better=True,
-    )  # fmt: skip
+        median_of(whole_call_tokens_per_s, ours),
+        median_of(whole_call_tokens_per_s, theirs),
+        unit="tok/s",
+        target=1.5,
+    )
 
 
 def bench_prefill(engine, model, w: Workload, prompt: list[int]) -> Result:
-    ours = median_of(w.repeats, lambda: engine_run(engine, [prompt], 1)[2] * 1e3)
-    theirs = median_of(w.repeats, lambda: hf_prefill_seconds(model, prompt) * 1e3)
-    return Result(f"prefill {w.prefill_len} tokens, time to first token",
-                  ours, theirs, "ms", 1.1, higher_is_better=False)  # fmt: skip
+    ours, theirs = paired_runs(
+        w.repeats,
+        lambda: engine_run(engine, [prompt], 1).total_s,
+        lambda: hf_prefill_seconds(model, prompt),
+    )
+    return Result(
+        f"prefill {w.prefill_len} tokens, time to first token",
+        statistics.median(ours) * 1e3,
+        statistics.median(theirs) * 1e3,
+        unit="ms",
+        target=1.1,
+        higher_is_better=False,
+    )
 
 
 # -- setup and report -----------------------------------------------------------------------
 
 
 def random_prompts(num: int, length: int, rng: random.Random) -> list[list[int]]:
-    return [[rng.randrange(FIRST_PROMPT_ID, PROMPT_ID_LIMIT) for _ in range(length)]
-            for _ in range(num)]  # fmt: skip
+    return [
+        [rng.randrange(FIRST_PROMPT_ID, PROMPT_ID_LIMIT) for _ in range(length)] for _ in range(num)
+    ]
 
 
 def build_engine(model_dir: Path, w: Workload) -> LLMEngine:
-    longest = max(w.decode_prompt_len + w.decode_new_tokens, w.prefill_len + 1,
-                  w.batch_prompt_len + w.batch_new_tokens)  # fmt: skip
+    longest = max(
+        w.decode_prompt_len + w.decode_new_tokens,
+        w.prefill_len + 1,
+        w.batch_prompt_len + w.batch_new_tokens,
+    )
     blocks_per_request = -(-longest // BLOCK_SIZE)
     return LLMEngine.from_pretrained(
         model_dir,
@@ -267,8 +363,11 @@ def machine_line(threads: int, model) -> str:
     cpu = platform.processor() or "unknown CPU"
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
-        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
-                 if ln.startswith("model name")]  # fmt: skip
+        names = [
+            ln.split(":", 1)[1].strip()
+            for ln in cpuinfo.read_text().splitlines()
+            if ln.startswith("model name")
+        ]
         cpu = names[0] if names else cpu
     return (
         f"{cpu}; torch {torch.__version__}, transformers {transformers.__version__} "
@@ -280,8 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2, help="torch threads for both sides")
     parser.add_argument("--quick", action="store_true", help="small smoke version")
-    parser.add_argument("--model-dir", type=Path, default=None,
-                        help="reuse or create the demo model here (default: a temp dir)")  # fmt: skip
+    parser.add_argument(
+        "--model-dir", type=Path, help="reuse or create the demo model here (default: a temp dir)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     w = QUICK if args.quick else FULL
@@ -291,12 +391,17 @@ def main(argv: list[str] | None = None) -> int:
             write_demo_model(model_dir, size="small", seed=0)
         engine, model = build_engine(model_dir, w), build_hf_model(model_dir)
         print(machine_line(args.threads, model))
+        watch = CpuWatch()
         rng = random.Random(PROMPT_SEED)
-        batch1, identical = bench_batch1(engine, model, w, random_prompts(1, w.decode_prompt_len, rng)[0])
+        decode_prompt = random_prompts(1, w.decode_prompt_len, rng)[0]
+        batch_prompts = random_prompts(w.batch_size, w.batch_prompt_len, rng)
+        prefill_prompt = random_prompts(1, w.prefill_len, rng)[0]
+        batch1, identical = bench_batch1(engine, model, w, decode_prompt)
         results = batch1 + [
-            bench_concurrent(engine, model, w, random_prompts(w.batch_size, w.batch_prompt_len, rng)),
-            bench_prefill(engine, model, w, random_prompts(1, w.prefill_len, rng)[0]),
+            bench_concurrent(engine, model, w, batch_prompts),
+            bench_prefill(engine, model, w, prefill_prompt),
         ]
+    print(watch.report())
     print("\n| metric | pdserve | transformers | ratio | target | met? |")
     print("| --- | --- | --- | --- | --- | --- |")
     for result in results:

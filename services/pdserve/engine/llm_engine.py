@@ -59,7 +59,6 @@ class LLMEngine:
         self._default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.runner = ModelRunner(model, self.kv_cache, Sampler(self._default_generator))
         self.outputs = OutputProcessor(self.tokenizer)
-        self._generators: dict[str, torch.Generator] = {}
         # Requests holding blocks for a prompt KV being imported (not yet scheduled).
         self._reserved: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -88,8 +87,6 @@ class LLMEngine:
         self._validate(prompt_ids, params)
         request = Request(request_id, prompt_ids, replace(params), self.eos_token_ids,
                           arrival_time=time.monotonic())  # fmt: skip
-        if params.seed is not None:
-            self._generators[request_id] = torch.Generator(self.device).manual_seed(params.seed)
         self.outputs.add(request)
         self.scheduler.add_request(request)
         return request_id
@@ -100,7 +97,7 @@ class LLMEngine:
             self.release_kv(request_id)
         elif self.scheduler.abort_request(request_id) is None:
             raise UnknownRequestError(request_id)
-        self._forget(request_id)
+        self.outputs.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -112,7 +109,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
-        sampled, sampler_out = self.runner.execute(plan, self._generators, on_layer_done)
+        sampled, sampler_out = self.runner.execute(plan, on_layer_done)
         tokens, logprobs = {}, {}
         if sampler_out is not None:
             for s, token, lp in zip(sampled, sampler_out.token_ids, sampler_out.logprobs,
@@ -126,7 +123,7 @@ class LLMEngine:
             if hit_stop_string:
                 self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
             if delta.finished:
-                self._forget(rid)
+                self.outputs.drop(rid)
             deltas.append(delta)
         return deltas
 
@@ -210,10 +207,6 @@ class LLMEngine:
             raise UnknownRequestError(request_id)
         request.num_computed_tokens = request.num_prompt_tokens
         request.append_output_token(first_token_id)
-        if request.params.seed is not None:
-            self._generators[request_id] = torch.Generator(self.device).manual_seed(
-                request.params.seed
-            )
         self.outputs.add(request, already_sent=[first_token_id])
         self.scheduler.add_prefilled_request(request)
 
@@ -270,7 +263,3 @@ class LLMEngine:
                 f"prompt plus max_tokens ({n + params.max_tokens} tokens) needs more KV blocks "
                 f"than this worker has ({self.block_manager.num_blocks})",
             )
-
-    def _forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
-        self.outputs.drop(request_id)

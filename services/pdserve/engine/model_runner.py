@@ -14,7 +14,7 @@ from pdserve.engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.models.llama import LayerDoneCallback, LlamaFamilyModel
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler, SamplerOutput, SamplingState
+from pdserve.engine.sampler import Sampler, SamplerOutput, SamplingState, position_seed
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -36,23 +36,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self,
-        plan: SchedulerOutput,
-        generators: dict[str, torch.Generator],
-        on_layer_done: LayerDoneCallback | None = None,
+        self, plan: SchedulerOutput, on_layer_done: LayerDoneCallback | None = None
     ) -> tuple[list[ScheduledRequest], SamplerOutput | None]:
-        """Run one step; return the requests that got a token and the sampler's output.
-
-        `generators` holds the seeded requests' own random generators, by request id.
-        """
+        """Run one step; return the requests that got a token and the sampler's output."""
         inputs = self.prepare(plan)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.slots,
                             inputs.meta, on_layer_done)  # fmt: skip
         if not inputs.sampled:
             return [], None
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
-        states = [sampling_state(s.request, generators.get(s.request.request_id))
-                  for s in inputs.sampled]  # fmt: skip
+        states = [sampling_state(s.request, self.device) for s in inputs.sampled]
         return inputs.sampled, self.sampler(logits, states)
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs:
@@ -131,9 +124,13 @@ class ModelRunner:
         )
 
 
-def sampling_state(request: Request, generator: torch.Generator | None) -> SamplingState:
+def sampling_state(request: Request, device: torch.device) -> SamplingState:
     """What the sampler needs of a request this step."""
     params = request.params
+    generator = None
+    if params.seed is not None:
+        seed = position_seed(params.seed, request.num_output_tokens)
+        generator = torch.Generator(device).manual_seed(seed)
     banned: tuple[int, ...] = ()
     if request.num_output_tokens < params.min_tokens:
         eos = () if params.ignore_eos else tuple(request.eos_token_ids)

@@ -47,6 +47,19 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # one per row; None where params.logprobs is None
 
 
+_GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / phi: spreads consecutive positions far apart
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed for a request's `position`-th output token.
+
+    Seeding per position (instead of carrying one generator along) makes a seeded
+    request's draws independent of where it ran before: after preemption, on another
+    worker after a KV hand-off, or when resumed after a worker died.
+    """
+    return (seed + (position + 1) * _GOLDEN) % (1 << 63)
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         """`generator` draws for unseeded rows; None means torch's default for the device."""
