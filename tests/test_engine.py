@@ -182,11 +182,6 @@ def test_generate_rejects_a_bare_prompt_and_mismatched_params(engine):
     assert excinfo.value.field == "params"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="generate() adds prompts one by one and leaves the ones before a rejected prompt "
-    "queued; the next generate() then fails with KeyError on their deltas",
-)
 def test_generate_with_one_invalid_prompt_leaves_nothing_queued(fresh_engine):
     with pytest.raises(InvalidRequestError):
         fresh_engine.generate([PROMPT, ""], GREEDY)
@@ -261,11 +256,6 @@ def test_text_is_the_decoded_token_ids(engine, reference):
     assert reference.text == engine.tokenizer.decode(reference.token_ids)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="OutputProcessor never calls IncrementalDetokenizer.flush() when a request ends, "
-    "so text held back for an unfinished UTF-8 character is lost",
-)
 def test_text_is_the_decoded_token_ids_when_output_ends_mid_character(engine, reference):
     decode = engine.tokenizer.decode
     ends_mid_char = [n for n in range(1, 25) if decode(reference.token_ids[:n]).endswith("\ufffd")]

@@ -18,7 +18,8 @@ def prefill_and_export(engine: LLMEngine, prompt: list[int], params: SamplingPar
     request_id = engine.add_request(prompt, dataclasses.replace(params, max_tokens=1))
     chunks = []
 
-    def on_layer_done(layer: int) -> None:
+    def on_layer_done(layer: int, plan) -> None:
+        assert [s.request.request_id for s in plan.scheduled] == [request_id]
         chunks.append(engine.export_kv(request_id, layer, num_tokens=len(prompt)))
 
     deltas = []

@@ -36,3 +36,11 @@ class UnknownRequestError(EngineError, KeyError):
 
 class KVCapacityError(EngineError):
     """No room for a request's KV blocks right now; the caller may retry or go elsewhere."""
+
+
+class KVChunkError(EngineError, ValueError):
+    """A KV chunk does not fit its target (shape, dtype, size) or fails its checksum."""
+
+    def __init__(self, message: str, corrupt: bool = False):
+        super().__init__(message)
+        self.corrupt = corrupt  # True: the bytes are damaged (checksum), not misplaced

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.errors import KVChunkError
 from pdserve.engine.config import CUDA_KV_CACHE_FRACTION, DEFAULT_CPU_KV_CACHE_BYTES, ModelConfig
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -76,18 +77,18 @@ class KVCache:
         """Write a chunk into our blocks ``block_ids`` (as many as the chunk holds)."""
         expected = (2, len(block_ids), *self.block_shape)
         if chunk.dtype != _DTYPE_NAMES[self.dtype] or tuple(chunk.shape) != expected:
-            raise ValueError(
+            raise KVChunkError(
                 f"KV chunk of layer {chunk.layer} is {chunk.dtype}{list(chunk.shape)}, "
                 f"expected {_DTYPE_NAMES[self.dtype]}{list(expected)}"
             )
         expected_bytes = math.prod(expected) * self.blocks.element_size()
         if len(chunk.data) != expected_bytes:
-            raise ValueError(
+            raise KVChunkError(
                 f"KV chunk of layer {chunk.layer} holds {len(chunk.data)} bytes, "
                 f"expected {expected_bytes}"
             )
         if zlib.crc32(chunk.data) != chunk.checksum:
-            raise ValueError(f"KV chunk of layer {chunk.layer} fails its checksum")
+            raise KVChunkError(f"KV chunk of layer {chunk.layer} fails its checksum", corrupt=True)
         flat = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8)
         tensor = flat.view(_DTYPES[chunk.dtype]).view(expected).to(self.device)
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)

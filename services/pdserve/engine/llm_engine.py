@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,15 +17,20 @@ from pdserve.engine.errors import InvalidRequestError, KVCapacityError, UnknownR
 from pdserve.engine.kv_cache import KVCache, KVLayerChunk
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import ModelRunner
-from pdserve.engine.models.llama import LayerDoneCallback
 from pdserve.engine.outputs import OutputProcessor, RequestOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
+# (layer index, the step's plan) -> None
+StepLayerCallback = Callable[[int, SchedulerOutput], None]
+
+
+def _call_with_plan(callback: StepLayerCallback, plan: SchedulerOutput, layer: int) -> None:
+    callback(layer, plan)
 
 
 class LLMEngine:
@@ -104,12 +110,20 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------------
 
-    def step(self, on_layer_done: LayerDoneCallback | None = None) -> list[RequestOutput]:
-        """Schedule, run the model once, and return one delta per request that advanced."""
+    def step(self, on_layer_done: StepLayerCallback | None = None) -> list[RequestOutput]:
+        """Schedule, run the model once, and return one delta per request that advanced.
+
+        `on_layer_done(layer, plan)` runs on this thread as soon as each layer's K/V
+        for the step are in the cache: the KV-transfer path exports layers from it
+        while later layers still compute.
+        """
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
-        sampled, sampler_out = self.runner.execute(plan, on_layer_done)
+        callback = None
+        if on_layer_done is not None:
+            callback = functools.partial(_call_with_plan, on_layer_done, plan)
+        sampled, sampler_out = self.runner.execute(plan, callback)
         tokens, logprobs = {}, {}
         if sampler_out is not None:
             for s, token, lp in zip(sampled, sampler_out.token_ids, sampler_out.logprobs,
@@ -140,10 +154,15 @@ class LLMEngine:
             raise InvalidRequestError("params", "needs one SamplingParams per prompt")
         results: dict[str, RequestOutput] = {}
         order = []
-        for prompt, p in zip(prompts, per_prompt, strict=True):
-            request_id = self.add_request(prompt, p)
-            order.append(request_id)
-            results[request_id] = None
+        try:
+            for prompt, p in zip(prompts, per_prompt, strict=True):
+                request_id = self.add_request(prompt, p)
+                order.append(request_id)
+                results[request_id] = None
+        except InvalidRequestError:
+            for request_id in order:  # all or nothing: leave no request of this call queued
+                self.abort(request_id)
+            raise
         while any(r is None or not r.finished for r in results.values()):
             for delta in self.step():
                 if results[delta.request_id] is None:

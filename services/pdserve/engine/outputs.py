@@ -57,15 +57,11 @@ class OutputProcessor:
         self, request: Request, new_token: int | None, logprobs: TokenLogprobs | None
     ) -> tuple[RequestOutput, bool]:
         """The delta for one request; the bool says a stop string ended it."""
-        text, stopped = "", False
         state = self._states.get(request.request_id)
-        if state is not None and new_token is not None:
-            text = state.detokenizer.push(new_token)
-            if state.stops is not None:
-                text, stopped = state.stops.feed(text)
+        text, stopped = "", False
+        if state is not None:
+            text, stopped = self._text(request, state, new_token)
         finished = stopped or request.is_finished
-        if finished and not stopped and state is not None and state.stops is not None:
-            text += state.stops.flush()
         if finished:
             self._states.pop(request.request_id, None)
         reason = RequestStatus.FINISHED_STOPPED.finish_reason if stopped else None
@@ -80,6 +76,25 @@ class OutputProcessor:
             num_cached_tokens=request.num_cached_tokens or 0,
         )
         return output, stopped
+
+    @staticmethod
+    def _text(request: Request, state: _TextState, new_token: int | None) -> tuple[str, bool]:
+        # A token that stopped the request (EOS, a stop token id) is in token_ids but,
+        # as in vLLM, not in the text.
+        stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED and (
+            new_token in request.eos_token_ids or new_token in request.params.stop_token_ids
+        )
+        text = ""
+        if new_token is not None and not stopped_by_token:
+            text = state.detokenizer.push(new_token)
+        if request.is_finished:  # the output ends: release a held-back partial character
+            text += state.detokenizer.flush()
+        if state.stops is None:
+            return text, False
+        text, stopped = state.stops.feed(text)
+        if request.is_finished and not stopped:
+            text += state.stops.flush()
+        return text, stopped
 
     def drop(self, request_id: str) -> None:
         self._states.pop(request_id, None)

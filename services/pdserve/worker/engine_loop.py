@@ -1,0 +1,156 @@
+"""Runs an LLMEngine on a thread of its own, so torch never blocks the event loop.
+
+The asyncio side sends commands (functions run on the engine thread between
+steps) and reads each request's deltas from an asyncio.Queue. The engine thread
+steps whenever requests are unfinished and sleeps on the command queue when idle.
+For prefill-role requests it also exports each layer's KV blocks as soon as the
+layer is computed, into a plain queue that a KV pusher thread drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.kv_cache import KVLayerChunk
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+# Marks the end of a KV export: all of the prompt's blocks were put before it.
+EXPORT_DONE = None
+
+
+class EngineFailedError(RuntimeError):
+    """The engine raised while stepping; the requests of that step are aborted."""
+
+
+@dataclass
+class KVExport:
+    """The layer-by-layer export of one prefill request's prompt KV."""
+
+    request_id: str
+    # (first block index, one layer's chunk), then EXPORT_DONE; or an exception
+    chunks: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    # Blocks [0, num_full_blocks_sent) went out complete; a chunked prefill resends
+    # only the partial block at a chunk boundary.
+    num_full_blocks_sent: int = 0
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop):
+        self.engine, self.loop = engine, loop
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sinks: dict[str, asyncio.Queue] = {}
+        self._exports: dict[str, KVExport] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    async def call(self, fn: Callable[..., Any], *args) -> Any:
+        """Run fn(*args) on the engine thread between steps; return or raise its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, args, future))
+        return await asyncio.wrap_future(future)
+
+    def open_sink(self, request_id: str) -> asyncio.Queue:
+        """Where the request's deltas (or an exception) will arrive, on the event loop."""
+        sink: asyncio.Queue = asyncio.Queue()
+        self._sinks[request_id] = sink
+        return sink
+
+    def close_sink(self, request_id: str) -> None:
+        self._sinks.pop(request_id, None)
+
+    def add_export(self, export: KVExport) -> None:
+        """Call on the engine thread (inside `call`) before the request's first step."""
+        self._exports[export.request_id] = export
+
+    def drop_export(self, request_id: str, reason: BaseException) -> None:
+        """Call on the engine thread: end an export early (the request was aborted)."""
+        export = self._exports.pop(request_id, None)
+        if export is not None:
+            export.chunks.put(reason)
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._commands.put(None)
+        await asyncio.to_thread(self._thread.join)
+
+    # -- the engine thread ----------------------------------------------------------------
+
+    def _main(self) -> None:
+        while not self._stopping:
+            self._run_commands(block=not self.engine.has_unfinished_requests())
+            if self._stopping or not self.engine.has_unfinished_requests():
+                continue
+            try:
+                deltas = self.engine.step(self._export_layer if self._exports else None)
+            except Exception as exc:  # a bug or OOM: fail the step's requests, keep serving
+                log.exception("engine step failed")
+                self._fail_all(EngineFailedError(f"engine step failed: {exc}"))
+                continue
+            self._deliver(deltas)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(block=block)
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, args, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # handed to the awaiting coroutine
+                    future.set_exception(exc)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _export_layer(self, layer: int, plan: SchedulerOutput) -> None:
+        block_size = self.engine.config.block_size
+        for s in plan.scheduled:
+            export = self._exports.get(s.request.request_id)
+            if export is None:
+                continue
+            first = min(export.num_full_blocks_sent, s.start // block_size)
+            last = -(-s.end // block_size)
+            chunk: KVLayerChunk = self.engine.kv_cache.export_layer(
+                layer, s.request.block_ids[first:last]
+            )
+            export.chunks.put((first, chunk))
+            if layer == self.engine.model_config.num_layers - 1:
+                export.num_full_blocks_sent = s.end // block_size
+                if s.produces_token:  # the prompt is complete
+                    export.chunks.put(EXPORT_DONE)
+                    del self._exports[s.request.request_id]
+
+    def _deliver(self, deltas: list[RequestOutput]) -> None:
+        for delta in deltas:
+            sink = self._sinks.get(delta.request_id)
+            if delta.finished:
+                self._sinks.pop(delta.request_id, None)
+            if sink is not None:
+                self.loop.call_soon_threadsafe(sink.put_nowait, delta)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self._sinks):
+            try:
+                self.engine.abort(request_id)
+            except KeyError:
+                pass
+            self.drop_export(request_id, error)
+            sink = self._sinks.pop(request_id)
+            self.loop.call_soon_threadsafe(sink.put_nowait, error)
