@@ -23,6 +23,7 @@ from pdserve.engine.errors import (
     UnknownRequestError,
 )
 from pdserve.kv.lease import LeaseError
+from pdserve.kv.transfer import KVChecksumError
 
 log = logging.getLogger(__name__)
 DEFAULT_RETRY_DELAY_S = 0.1
@@ -60,6 +61,8 @@ def to_status(exc: BaseException) -> status_pb2.Status:
         return _status(code_pb2.NOT_FOUND, str(exc))
     if isinstance(exc, LeaseError):
         return _status(_LEASE_CODES[exc.kind], str(exc))
+    if isinstance(exc, KVChecksumError):
+        return _status(code_pb2.DATA_LOSS, str(exc))
     if isinstance(exc, KVChunkError):
         return _status(code_pb2.DATA_LOSS if exc.corrupt else code_pb2.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, PreconditionError):

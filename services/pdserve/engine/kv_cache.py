@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.errors import KVChunkError
 from pdserve.engine.config import CUDA_KV_CACHE_FRACTION, DEFAULT_CPU_KV_CACHE_BYTES, ModelConfig
+from pdserve.engine.errors import KVChunkError
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}

@@ -87,9 +87,8 @@ class LeaseTable:
             raise LeaseError("expired", "lease deadline passed before its KV arrived")
         return lease
 
-    def record_chunk(self, lease_id: str, layer: int, first_block: int, num_blocks: int,
-                     num_bytes: int) -> Lease:  # fmt: skip
-        """Check a chunk's place in its lease and mark its blocks received."""
+    def check_chunk(self, lease_id: str, layer: int, first_block: int, num_blocks: int) -> Lease:
+        """The open lease a chunk may be written into, or LeaseError saying why not."""
         lease = self.open_lease(lease_id)
         if not 0 <= layer < lease.num_layers:
             raise LeaseError("invalid", f"layer {layer} outside [0, {lease.num_layers})")
@@ -99,9 +98,14 @@ class LeaseTable:
                 f"blocks [{first_block}, {first_block + num_blocks}) outside the lease's "
                 f"{lease.num_blocks}",
             )
+        return lease
+
+    @staticmethod
+    def mark_received(lease: Lease, layer: int, first_block: int, num_blocks: int,
+                      num_bytes: int) -> None:  # fmt: skip
+        """Record a chunk written into the lease's blocks (after `check_chunk` and the write)."""
         lease.received[layer][first_block : first_block + num_blocks] = b"\x01" * num_blocks
         lease.bytes_received += num_bytes
-        return lease
 
     def commit(self, lease_id: str) -> Lease:
         lease = self.open_lease(lease_id)

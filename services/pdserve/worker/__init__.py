@@ -1,1 +1,1 @@
-"""Worker processes: the engine on its own thread behind grpc.aio servers (prefill, decode, both)."""
+"""Worker processes: the engine on its own thread behind grpc.aio servers."""

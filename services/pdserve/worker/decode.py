@@ -1,0 +1,185 @@
+"""The decode side: admit under a lease, receive KV, stream tokens; and the colocated path."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from pdserve.api.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
+from pdserve.engine.kv_cache import KVLayerChunk
+from pdserve.kv.lease import Lease, LeaseError, LeaseState
+from pdserve.kv.transfer import receive_push
+from pdserve.rpc_errors import PreconditionError, rpc_errors
+from pdserve.wire import sampling_params_from_proto
+from pdserve.worker.worker import Worker
+
+log = logging.getLogger(__name__)
+EXPIRY_CHECK_S = 0.05
+
+
+@dataclass
+class _Admitted:
+    """A lease's request on this worker, from Admit until its Stream ends."""
+
+    lease: Lease
+    sink: asyncio.Queue
+    # Resolves when the KV is committed (None) or the lease ends without (an exception).
+    ready: asyncio.Future = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+    stream_attached: bool = False
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        self.admitted: dict[str, _Admitted] = {}  # by lease id
+        self._expiry_task = asyncio.create_task(self._expire_leases())
+
+    @rpc_errors
+    async def Admit(self, request, context):
+        worker = self.worker
+        worker.check_admitting()
+        request_id = request.request_id or uuid.uuid4().hex
+        params = sampling_params_from_proto(request.sampling)
+        prompt = list(request.prompt_token_ids)
+        ttl = request.lease_ttl_ms / 1000 if request.lease_ttl_ms else worker.config.lease_ttl_s
+        sink = worker.loop.open_sink(request_id)
+        try:
+            block_ids = await worker.loop.call(worker.engine.reserve_kv, prompt, params, request_id)
+        except BaseException:
+            worker.loop.close_sink(request_id)
+            raise
+        lease = worker.leases.issue(request_id, len(block_ids), ttl)
+        self.admitted[lease.lease_id] = _Admitted(lease, sink)
+        return decode_pb2.Lease(
+            lease_id=lease.lease_id,
+            num_blocks=lease.num_blocks,
+            deadline_unix_ms=lease.deadline_unix_ms,
+            layout=worker.layout,
+        )
+
+    @rpc_errors
+    async def Stream(self, request, context):
+        admitted = self.admitted.get(request.lease_id)
+        if admitted is None or admitted.stream_attached:
+            raise LeaseError("not_found", "unknown lease, or its stream is already attached")
+        admitted.stream_attached = True
+        try:
+            await admitted.ready  # raises if the lease ended without its KV
+            first_token_count = 1
+            async for delta in self.worker.stream_deltas(
+                admitted.lease.request_id, admitted.sink, first_token_count
+            ):
+                yield delta
+        finally:
+            await self._close(admitted, LeaseState.RELEASED, LeaseError("not_found", "closed"))
+
+    @rpc_errors
+    async def Release(self, request, context):
+        admitted = self.admitted.get(request.lease_id)
+        if admitted is None:
+            return decode_pb2.ReleaseResponse(released=False)
+        await self._close(admitted, LeaseState.RELEASED,
+                          LeaseError("not_found", "lease released by its holder"))  # fmt: skip
+        return decode_pb2.ReleaseResponse(released=True)
+
+    @rpc_errors
+    async def Generate(self, request, context):
+        worker = self.worker
+        worker.check_admitting()
+        request_id = request.request_id or uuid.uuid4().hex
+        params = sampling_params_from_proto(request.sampling)
+        sink = worker.loop.open_sink(request_id)
+        try:
+            await worker.loop.call(worker.engine.add_request, list(request.prompt_token_ids),
+                                   params, request_id)  # fmt: skip
+        except BaseException:
+            worker.loop.close_sink(request_id)
+            raise
+        async for delta in worker.stream_deltas(request_id, sink):
+            yield delta
+
+    @rpc_errors
+    async def GetLoad(self, request, context):
+        return self.worker.load()
+
+    # -- leases ---------------------------------------------------------------------------
+
+    async def commit(self, lease_id: str, first_token_id: int) -> None:
+        lease = self.worker.leases.commit(lease_id)  # raises unless open, in time, complete
+        admitted = self.admitted[lease_id]
+        await self.worker.loop.call(self.worker.engine.commit_kv, lease.request_id,
+                                    first_token_id)  # fmt: skip
+        if not admitted.ready.done():
+            admitted.ready.set_result(None)
+
+    async def _close(self, admitted: _Admitted, state: LeaseState, reason: Exception) -> None:
+        """End a lease for good: free its blocks (or abort its request) exactly once."""
+        lease = self.worker.leases.close(admitted.lease.lease_id, state)
+        if lease is None:
+            return
+        self.admitted.pop(lease.lease_id, None)
+        if not admitted.ready.done():
+            admitted.ready.set_exception(reason)
+            admitted.ready.exception()  # retrieved here: a Stream may never await it
+        self.worker.loop.close_sink(lease.request_id)
+        await self.worker.abort_quietly(lease.request_id)
+
+    async def _expire_leases(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_CHECK_S)
+            for lease in self.worker.leases.expired():
+                log.info("lease for request %s expired before its KV arrived", lease.request_id)
+                reason = LeaseError("expired", "lease deadline passed before its KV arrived")
+                await self._close(self.admitted[lease.lease_id], LeaseState.EXPIRED, reason)
+            # A committed request whose stream never attached would run unseen forever.
+            now = time.monotonic()
+            for admitted in list(self.admitted.values()):
+                lease = admitted.lease
+                overdue = now > lease.deadline + self.worker.config.lease_ttl_s
+                if lease.state is LeaseState.COMMITTED and not admitted.stream_attached and overdue:
+                    await self._close(admitted, LeaseState.RELEASED,
+                                      LeaseError("expired", "no stream attached"))  # fmt: skip
+
+    async def close(self) -> None:
+        self._expiry_task.cancel()
+        for admitted in list(self.admitted.values()):
+            await self._close(admitted, LeaseState.RELEASED, LeaseError("not_found", "shutdown"))
+
+
+class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
+    def __init__(self, worker: Worker, decode: DecodeServicer):
+        self.worker, self.decode = worker, decode
+
+    @rpc_errors
+    async def Handshake(self, request, context):
+        ours, theirs = self.worker.layout, request.layout
+        mismatched = [
+            f"{f.name} (theirs {getattr(theirs, f.name)!r}, ours {getattr(ours, f.name)!r})"
+            for f in kv_transfer_pb2.KVLayout.DESCRIPTOR.fields
+            if getattr(theirs, f.name) != getattr(ours, f.name)
+        ]
+        if mismatched:
+            raise PreconditionError("KV layout mismatch: " + "; ".join(mismatched))
+        return kv_transfer_pb2.HandshakeResponse(layout=ours, receiver=self.worker.config.worker_id)
+
+    @rpc_errors
+    async def PushKV(self, request_iterator, context):
+        return await receive_push(request_iterator, self._import_chunk)
+
+    def _import_chunk(self, lease_id: str, first_block: int, chunk: KVLayerChunk) -> None:
+        # Check the chunk's place (a lease only ever writes into its own blocks), write
+        # it (the cache verifies shape, size and checksum), and only then count it.
+        leases = self.worker.leases
+        lease = leases.check_chunk(lease_id, chunk.layer, first_block, chunk.num_blocks)
+        self.worker.engine.import_kv(lease.request_id, chunk, first_block)
+        leases.mark_received(lease, chunk.layer, first_block, chunk.num_blocks, len(chunk.data))
+
+    @rpc_errors
+    async def CommitKV(self, request, context):
+        await self.decode.commit(request.lease_id, request.first_token_id)
+        return kv_transfer_pb2.CommitKVResponse()

@@ -1,0 +1,210 @@
+"""The prefill side: run a prompt, return its first token, push its KV into a decode lease."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import uuid
+
+import grpc
+
+from pdserve.api.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    kv_transfer_pb2,
+    kv_transfer_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.outputs import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv.transfer import KVPusher, channel_options
+from pdserve.rpc_errors import PreconditionError, rpc_errors
+from pdserve.wire import FINISH_REASONS, logprobs_to_proto, sampling_params_from_proto
+from pdserve.worker.engine_loop import EXPORT_DONE, KVExport
+from pdserve.worker.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+class _DecodePeer:
+    """One decode worker as seen from here: a control channel and a KV pusher."""
+
+    def __init__(self, address: str, worker: Worker):
+        options = channel_options(worker.config.max_message_bytes)
+        self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.kv = kv_transfer_pb2_grpc.KVTransferStub(self.channel)
+        self.decode = decode_pb2_grpc.DecodeStub(self.channel)
+        self.pusher = KVPusher(address, num_streams=worker.config.kv_streams,
+                               max_message_bytes=worker.config.max_message_bytes)  # fmt: skip
+        self.verified = False
+
+    async def handshake(self, worker: Worker) -> None:
+        """Check once that the decode worker runs our model with our KV layout."""
+        if self.verified:
+            return
+        request = kv_transfer_pb2.HandshakeRequest(layout=worker.layout,
+                                                   sender=worker.config.worker_id)  # fmt: skip
+        try:
+            await self.kv.Handshake(request, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise PreconditionError(exc.details()) from exc
+            raise
+        self.verified = True
+
+    async def close(self) -> None:
+        await self.channel.close()
+        await asyncio.to_thread(self.pusher.close)
+
+
+def prefill_only(params: SamplingParams) -> SamplingParams:
+    """The same sampling, stopped after the first token (decode carries on from there)."""
+    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+
+
+def exported_chunks(export: KVExport, timeout_s: float):
+    """The export's (first_block, chunk) items until it is done; raises what ended it early."""
+    while True:
+        try:
+            item = export.chunks.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError("prefill produced no KV in time") from None
+        if item is EXPORT_DONE:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        self.peers: dict[str, _DecodePeer] = {}
+        self.transfers: set[asyncio.Task] = set()  # pushes still running after the reply
+
+    @rpc_errors
+    async def Prefill(self, request, context):
+        worker = self.worker
+        worker.check_admitting()
+        if not request.target.address or not request.target.lease_id:
+            raise InvalidRequestError("target", "address and lease_id are required")
+        request_id = request.request_id or uuid.uuid4().hex
+        params = sampling_params_from_proto(request.sampling)
+        peer = self._peer(request.target.address)
+        await peer.handshake(worker)
+        export = KVExport(request_id)
+        sink = worker.loop.open_sink(request_id)
+        try:
+            await worker.loop.call(self._start, list(request.prompt_token_ids), params,
+                                   request_id, export)  # fmt: skip
+        except BaseException:
+            worker.loop.close_sink(request_id)
+            raise
+        push = asyncio.create_task(asyncio.to_thread(
+            peer.pusher.push, request.target.lease_id,
+            exported_chunks(export, worker.config.lease_ttl_s),
+        ))  # fmt: skip
+        try:
+            first: RequestOutput = await self._first_token(request_id, sink)
+        except BaseException:
+            await self._abandon(request_id, export, push, peer, request.target.lease_id)
+            raise
+        reason = first_token_finish(first, params)
+        task = asyncio.create_task(self._finish_transfer(push, peer, request.target.lease_id,
+                                                         first, reason))  # fmt: skip
+        self.transfers.add(task)
+        task.add_done_callback(self.transfers.discard)
+        return prefill_response(first, reason)
+
+    def _start(self, prompt, params, request_id, export) -> None:
+        """On the engine thread: queue the prompt and its layer-by-layer export together."""
+        self.worker.engine.add_request(prompt, prefill_only(params), request_id)
+        self.worker.loop.add_export(export)
+
+    async def _first_token(self, request_id: str, sink: asyncio.Queue) -> RequestOutput:
+        try:
+            item = await sink.get()
+        finally:
+            self.worker.loop.close_sink(request_id)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def _abandon(self, request_id, export, push, peer, lease_id) -> None:
+        """The caller went away or prefill failed: free both sides now."""
+        worker = self.worker
+
+        def stop_on_engine_thread():
+            worker.loop.drop_export(request_id, asyncio.CancelledError("prefill abandoned"))
+            if worker.engine.scheduler.get_request(request_id) is not None:
+                worker.engine.abort(request_id)
+
+        await asyncio.shield(worker.loop.call(stop_on_engine_thread))
+        await asyncio.shield(self._release(peer, lease_id, push))
+
+    async def _finish_transfer(self, push, peer, lease_id, first, reason) -> None:
+        """After the reply: wait for the KV push, then commit the lease (or give it back)."""
+        if reason is not None:  # the first token ended the request: decode is not needed
+            await self._release(peer, lease_id, push)
+            return
+        try:
+            await push
+            await peer.kv.CommitKV(kv_transfer_pb2.CommitKVRequest(
+                lease_id=lease_id, first_token_id=first.token_ids[0],
+            ), timeout=self.worker.config.lease_ttl_s)  # fmt: skip
+        except Exception as exc:
+            log.warning("KV hand-off for %s failed: %s", first.request_id, exc)
+            await self._release(peer, lease_id, None)
+
+    async def _release(self, peer: _DecodePeer, lease_id: str, push) -> None:
+        if push is not None:
+            try:
+                await push
+            except Exception:
+                pass
+        try:
+            await peer.decode.Release(decode_pb2.ReleaseRequest(lease_id=lease_id), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("could not release lease: %s", exc.details())
+
+    def _peer(self, address: str) -> _DecodePeer:
+        if address not in self.peers:
+            self.peers[address] = _DecodePeer(address, self.worker)
+        return self.peers[address]
+
+    @rpc_errors
+    async def GetLoad(self, request, context):
+        return self.worker.load()
+
+    async def close(self) -> None:
+        if self.transfers:
+            await asyncio.gather(*self.transfers, return_exceptions=True)
+        for peer in self.peers.values():
+            await peer.close()
+
+
+def first_token_finish(first: RequestOutput, params: SamplingParams) -> str | None:
+    """Why the request ends at its first token under its real parameters, or None."""
+    if first.finish_reason == "stop":  # EOS, a stop token or a stop string
+        return "stop"
+    # The engine admitted prompt + max_tokens within the context window, so only
+    # max_tokens itself can end the request by length here.
+    return "length" if params.max_tokens == 1 else None
+
+
+def prefill_response(first: RequestOutput, reason: str | None) -> prefill_pb2.PrefillResponse:
+    response = prefill_pb2.PrefillResponse(
+        first_token_id=first.token_ids[0],
+        text=first.text,
+        finish_reason=FINISH_REASONS[reason],
+    )
+    if first.logprobs:
+        response.logprobs.CopyFrom(logprobs_to_proto(first.logprobs[0]))
+    response.usage.prompt_tokens = len(first.prompt_token_ids)
+    response.usage.completion_tokens = 1
+    response.usage.cached_prompt_tokens = first.num_cached_tokens
+    return response

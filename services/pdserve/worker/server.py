@@ -1,0 +1,119 @@
+"""A worker process: grpc.aio server, health, reflection, graceful shutdown on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.api.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    kv_transfer_pb2,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from pdserve.engine.fingerprint import model_fingerprint
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv.transfer import add_kv_transfer_servicer, channel_options, keep_freed_memory
+from pdserve.worker.decode import DecodeServicer, KVTransferServicer
+from pdserve.worker.prefill import PrefillServicer
+from pdserve.worker.worker import Worker, WorkerConfig
+
+log = logging.getLogger(__name__)
+# Printed (with the bound address) once the worker serves; process managers and
+# tests wait for it rather than polling.
+READY_LINE = "PDSERVE_READY"
+
+_SERVICES = {
+    "prefill": [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"]],
+    "decode": [decode_pb2.DESCRIPTOR.services_by_name["Decode"],
+               kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"]],
+}  # fmt: skip
+_SERVICES["both"] = _SERVICES["prefill"] + _SERVICES["decode"]
+
+
+def _load_engine(config: WorkerConfig) -> tuple[LLMEngine, str]:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    engine = LLMEngine.from_pretrained(
+        config.model,
+        device=config.device,
+        dtype=config.dtype,
+        block_size=config.block_size,
+        num_kv_blocks=config.num_kv_blocks,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+    )
+    return engine, model_fingerprint(config.model)
+
+
+async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve until `stop` is set or SIGTERM/SIGINT arrives, then drain and exit."""
+    stop = stop or asyncio.Event()
+    keep_freed_memory()  # KV messages are MBs each: reuse their buffers, don't refault them
+    server = grpc.aio.server(options=channel_options(config.max_message_bytes))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [s.full_name for s in _SERVICES[config.role]]
+    await _set_health(health_servicer, names, health_pb2.HealthCheckResponse.NOT_SERVING)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                                        server)  # fmt: skip
+
+    engine, fingerprint = await asyncio.to_thread(_load_engine, config)
+    worker = Worker(config, engine, fingerprint)
+    worker.loop.start()
+    decode = prefill = None
+    if config.role in ("decode", "both"):
+        decode = DecodeServicer(worker)
+        decode_pb2_grpc.add_DecodeServicer_to_server(decode, server)
+        add_kv_transfer_servicer(KVTransferServicer(worker, decode), server)
+    if config.role in ("prefill", "both"):
+        prefill = PrefillServicer(worker)
+        prefill_pb2_grpc.add_PrefillServicer_to_server(prefill, server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    await _set_health(health_servicer, names, health_pb2.HealthCheckResponse.SERVING)
+    _on_signals(stop)
+    print(f"{READY_LINE} role={config.role} address={config.host}:{port} "
+          f"blocks={engine.block_manager.num_blocks}", flush=True)  # fmt: skip
+    await stop.wait()
+
+    log.info("draining: no new requests; finishing the running ones")
+    worker.draining = True
+    await _set_health(health_servicer, names, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(grace=config.grace_s)
+    if prefill is not None:
+        await prefill.close()
+    if decode is not None:
+        await decode.close()
+    await worker.loop.stop()
+
+
+async def _set_health(servicer, names, status) -> None:
+    for name in ["", *names]:
+        await servicer.set(name, status)
+
+
+def _on_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+
+
+def main(config: WorkerConfig) -> int:
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr,
+        format=f"%(asctime)s {config.role}[{config.worker_id}] %(levelname)s %(name)s: %(message)s",
+    )  # fmt: skip
+    asyncio.run(serve(config))
+    return 0

@@ -1,0 +1,114 @@
+"""One worker process's shared state: its config, engine thread, KV layout and leases."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from pdserve.api.v1 import decode_pb2, kv_transfer_pb2
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestOutput
+from pdserve.kv.lease import LeaseTable
+from pdserve.rpc_errors import UnavailableError
+from pdserve.wire import delta_to_proto
+from pdserve.worker.engine_loop import EngineLoop
+
+log = logging.getLogger(__name__)
+ROLES = ("prefill", "decode", "both")
+KV_LAYOUT = "layer,kv,block,slot,head,dim"
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    role: str
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int | None = None  # torch intra-op threads; None: torch's default
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    lease_ttl_s: float = 30.0
+    kv_streams: int = 4
+    max_message_bytes: int = 8 << 20
+    grace_s: float = 30.0
+    worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        if self.kv_streams < 1:
+            raise ValueError(f"kv_streams must be >= 1, got {self.kv_streams}")
+
+
+class Worker:
+    """What every servicer of this process shares. Created once the engine has loaded."""
+
+    def __init__(self, config: WorkerConfig, engine: LLMEngine, fingerprint: str):
+        self.config, self.engine = config, engine
+        self.loop = EngineLoop(engine, asyncio.get_running_loop())
+        self.leases = LeaseTable(engine.model_config.num_layers)
+        self.draining = False
+        model = engine.model_config
+        self.layout = kv_transfer_pb2.KVLayout(
+            model_fingerprint=fingerprint,
+            block_size=engine.config.block_size,
+            dtype=engine.config.dtype,
+            num_layers=model.num_layers,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            layout=KV_LAYOUT,
+        )
+
+    def check_admitting(self) -> None:
+        if self.draining:
+            raise UnavailableError("worker is draining (shutting down); use another worker")
+
+    def load(self) -> decode_pb2.WorkerLoad:
+        engine = self.engine
+        return decode_pb2.WorkerLoad(
+            role=self.config.role,
+            free_blocks=engine.block_manager.num_free_blocks,
+            total_blocks=engine.block_manager.num_blocks,
+            running=engine.scheduler.num_running,
+            waiting=engine.scheduler.num_waiting,
+            open_leases=len(self.leases),
+        )
+
+    async def stream_deltas(
+        self, request_id: str, sink: asyncio.Queue, num_output_tokens: int = 0
+    ) -> AsyncIterator[decode_pb2.TokenDelta]:
+        """A request's deltas as TokenDelta messages until it finishes.
+
+        If the consumer goes away (the RPC is cancelled), the request is aborted
+        and its blocks freed at once.
+        """
+        finished = False
+        try:
+            while not finished:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                delta: RequestOutput = item
+                num_output_tokens += len(delta.token_ids)
+                finished = delta.finished
+                yield delta_to_proto(delta, num_output_tokens)
+        finally:
+            self.loop.close_sink(request_id)
+            if not finished:
+                await asyncio.shield(self.abort_quietly(request_id))
+
+    async def abort_quietly(self, request_id: str) -> None:
+        """Abort if still known to the engine (it may have finished meanwhile)."""
+        try:
+            await self.loop.call(self.engine.abort, request_id)
+        except KeyError:
+            pass
