@@ -144,10 +144,171 @@ async def test_colocated_generate_on_a_both_worker(demo_model_dir, reference_eng
 
 def test_prefill_request_without_target_is_invalid(cluster):
     prefill, _ = cluster
-    with grpc.insecure_channel(prefill.address) as ch:
-        with pytest.raises(grpc.RpcError) as err:
-            prefill_pb2_grpc.PrefillStub(ch).Prefill(
-                prefill_pb2.PrefillRequest(prompt_token_ids=[5, 6, 7]), timeout=10
-            )
+    with grpc.insecure_channel(prefill.address) as ch, pytest.raises(grpc.RpcError) as err:
+        prefill_pb2_grpc.PrefillStub(ch).Prefill(
+            prefill_pb2.PrefillRequest(prompt_token_ids=[5, 6, 7]), timeout=10
+        )
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "target" in err.value.details()
+
+
+# -- the hand-off refuses what it must, and strands nothing --------------------------------
+
+
+def admit(decode, prompt, params=GREEDY, ttl_ms=0) -> decode_pb2.Lease:
+    with grpc.insecure_channel(decode.address) as ch:
+        return decode_pb2_grpc.DecodeStub(ch).Admit(
+            decode_pb2.AdmitRequest(prompt_token_ids=prompt, lease_ttl_ms=ttl_ms,
+                                    sampling=sampling_params_to_proto(params)),
+            timeout=10,
+        )  # fmt: skip
+
+
+def release(decode, lease_id) -> bool:
+    with grpc.insecure_channel(decode.address) as ch:
+        stub = decode_pb2_grpc.DecodeStub(ch)
+        return stub.Release(decode_pb2.ReleaseRequest(lease_id=lease_id), timeout=10).released
+
+
+def layer_chunk(lease: decode_pb2.Lease, layer: int, num_blocks: int | None = None):
+    import zlib
+
+    from pdserve.engine.kv_cache import KVLayerChunk
+
+    layout = lease.layout
+    n = lease.num_blocks if num_blocks is None else num_blocks
+    shape = (2, n, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    data = bytes(4 * 2 * n * layout.block_size * layout.num_kv_heads * layout.head_dim)
+    return KVLayerChunk(layer, layout.dtype, shape, data, zlib.crc32(data))
+
+
+def push(decode, lease_id, items):
+    from pdserve.kv.transfer import KVPusher
+
+    with KVPusher(decode.address, num_streams=1) as pusher:
+        return pusher.push(lease_id, items, timeout=10)
+
+
+def expect_push_error(decode, lease_id, items, code):
+    from pdserve.kv.transfer import KVPushError
+
+    with pytest.raises(KVPushError) as err:
+        push(decode, lease_id, items)
+    assert err.value.code == code, err.value
+
+
+def assert_idle(worker):
+    load = worker.wait_idle()
+    assert (load.free_blocks, load.open_leases, load.running) == (worker.total_blocks, 0, 0)
+
+
+def test_corrupt_misplaced_and_unknown_chunks_are_rejected(cluster):
+    import dataclasses
+
+    _, (decode, _) = cluster
+    lease = admit(decode, prompts([40], seed=7)[0])
+    good = layer_chunk(lease, 0)
+    corrupt = dataclasses.replace(good, checksum=good.checksum ^ 1)
+    expect_push_error(decode, lease.lease_id, [(0, corrupt)], grpc.StatusCode.DATA_LOSS)
+    expect_push_error(decode, lease.lease_id, [(0, layer_chunk(lease, 99))],
+                      grpc.StatusCode.INVALID_ARGUMENT)  # fmt: skip
+    expect_push_error(
+        decode,
+        lease.lease_id,
+        [(2, layer_chunk(lease, 0, num_blocks=2))],
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )  # blocks 2..3 of a 3-block lease
+    expect_push_error(decode, "not-a-lease", [(0, good)], grpc.StatusCode.NOT_FOUND)
+    # Half the layers is not a complete KV: commit refuses.
+    push(decode, lease.lease_id, [(0, good)])
+    with grpc.insecure_channel(decode.address) as ch:
+        from pdserve.api.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+
+        with pytest.raises(grpc.RpcError) as err:
+            kv_transfer_pb2_grpc.KVTransferStub(ch).CommitKV(
+                kv_transfer_pb2.CommitKVRequest(lease_id=lease.lease_id, first_token_id=5),
+                timeout=10,
+            )
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert release(decode, lease.lease_id)
+    assert not release(decode, lease.lease_id)  # once only
+    assert_idle(decode)
+
+
+def test_a_lease_whose_kv_never_arrives_expires_and_frees_its_blocks(cluster):
+    _, (decode, _) = cluster
+    lease = admit(decode, prompts([100], seed=8)[0], ttl_ms=200)
+    assert decode.load().free_blocks < decode.total_blocks
+    assert_idle(decode)
+    expect_push_error(decode, lease.lease_id, [(0, layer_chunk(lease, 0))],
+                      grpc.StatusCode.NOT_FOUND)  # fmt: skip
+
+
+async def test_cancelled_decode_stream_frees_blocks_at_once(cluster):
+    prefill, (decode, _) = cluster
+    long = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
+    async with prefill.channel() as pch, decode.channel() as dch:
+        stream = disaggregated_generate(
+            prefill_pb2_grpc.PrefillStub(pch), decode_pb2_grpc.DecodeStub(dch), decode.address,
+            prompts([50], seed=9)[0], sampling_params_to_proto(long),
+        )  # fmt: skip
+        received = 0
+        async for delta in stream:
+            received += len(delta.token_ids)
+            if received >= 5:
+                break
+        await stream.aclose()
+    assert_idle(decode)
+    assert_idle(prefill)
+
+
+async def test_cancelled_prefill_releases_the_lease_on_both_sides(cluster):
+    prefill, (decode, _) = cluster
+    prompt = prompts([3000], seed=10)[0]
+    lease = admit(decode, prompt)
+    async with prefill.channel() as ch:
+        call = prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
+            prompt_token_ids=prompt, sampling=sampling_params_to_proto(GREEDY),
+            target=prefill_pb2.KVTarget(address=decode.address, lease_id=lease.lease_id),
+        ))  # fmt: skip
+        await asyncio.sleep(0.05)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    assert_idle(decode)
+    assert_idle(prefill)
+
+
+def test_model_mismatch_is_refused_at_handshake(demo_model_dir, cluster, tmp_path):
+    from pdserve.engine.demo_model import write_demo_model
+
+    prefill, _ = cluster
+    other_model = write_demo_model(tmp_path / "other", size="tiny", seed=1)
+    with worker_process("decode", other_model, log_dir=tmp_path) as other:
+        lease = admit(other, [5, 6, 7])
+        with grpc.insecure_channel(prefill.address) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
+                    prompt_token_ids=[5, 6, 7], sampling=sampling_params_to_proto(GREEDY),
+                    target=prefill_pb2.KVTarget(address=other.address, lease_id=lease.lease_id),
+                ), timeout=20)  # fmt: skip
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "model_fingerprint" in err.value.details()
+        assert not release(other, lease.lease_id)  # the prefill worker gave it back already
+        assert_idle(other)
+    assert_idle(prefill)
+
+
+def test_health_serving_then_sigterm_drains_and_exits_cleanly(demo_model_dir, tmp_path):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from procs import stop
+
+    with worker_process("decode", demo_model_dir, log_dir=tmp_path) as decode:
+        with grpc.insecure_channel(decode.address) as ch:
+            check = health_pb2_grpc.HealthStub(ch).Check
+            for service in ("", "pdserve.v1.Decode", "pdserve.v1.KVTransfer"):
+                response = check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert response.status == health_pb2.HealthCheckResponse.SERVING
+        assert stop(decode.proc) == 0
+        with grpc.insecure_channel(decode.address) as ch, pytest.raises(grpc.RpcError):
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)

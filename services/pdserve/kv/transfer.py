@@ -43,6 +43,10 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # payload bytes per KVChunk
 
 _SERVICE = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"]
 PUSH_KV_METHOD = f"/{_SERVICE.full_name}/PushKV"
+import json
+import os
+
+_EXPERIMENT_OPTIONS = [tuple(x) for x in json.loads(os.environ.get("KVOPTS", "[]"))]
 _END = object()  # closes a stream's queue
 
 OnChunk = Callable[[str, int, KVLayerChunk], None]
@@ -54,7 +58,7 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     return [
         ("grpc.max_send_message_length", limit),
         ("grpc.max_receive_message_length", limit),
-    ]
+    ] + _EXPERIMENT_OPTIONS
 
 
 @dataclass(frozen=True, slots=True)

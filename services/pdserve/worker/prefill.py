@@ -94,28 +94,23 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise InvalidRequestError("target", "address and lease_id are required")
         request_id = request.request_id or uuid.uuid4().hex
         params = sampling_params_from_proto(request.sampling)
+        lease_id = request.target.lease_id
         peer = self._peer(request.target.address)
-        await peer.handshake(worker)
-        export = KVExport(request_id)
-        sink = worker.loop.open_sink(request_id)
+        export, push = KVExport(request_id), None
         try:
+            await peer.handshake(worker)
+            sink = worker.loop.open_sink(request_id)
             await worker.loop.call(self._start, list(request.prompt_token_ids), params,
                                    request_id, export)  # fmt: skip
-        except BaseException:
-            worker.loop.close_sink(request_id)
-            raise
-        push = asyncio.create_task(asyncio.to_thread(
-            peer.pusher.push, request.target.lease_id,
-            exported_chunks(export, worker.config.lease_ttl_s),
-        ))  # fmt: skip
-        try:
+            push = asyncio.create_task(asyncio.to_thread(
+                peer.pusher.push, lease_id, exported_chunks(export, worker.config.lease_ttl_s),
+            ))  # fmt: skip
             first: RequestOutput = await self._first_token(request_id, sink)
-        except BaseException:
-            await self._abandon(request_id, export, push, peer, request.target.lease_id)
+        except BaseException:  # failed or cancelled by the caller: free both sides now
+            await asyncio.shield(self._abandon(request_id, export, push, peer, lease_id))
             raise
         reason = first_token_finish(first, params)
-        task = asyncio.create_task(self._finish_transfer(push, peer, request.target.lease_id,
-                                                         first, reason))  # fmt: skip
+        task = asyncio.create_task(self._finish_transfer(push, peer, lease_id, first, reason))
         self.transfers.add(task)
         task.add_done_callback(self.transfers.discard)
         return prefill_response(first, reason)
@@ -135,16 +130,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return item
 
     async def _abandon(self, request_id, export, push, peer, lease_id) -> None:
-        """The caller went away or prefill failed: free both sides now."""
+        """Stop the request here (if it started) and give the decode lease back."""
         worker = self.worker
+        worker.loop.close_sink(request_id)
 
         def stop_on_engine_thread():
             worker.loop.drop_export(request_id, asyncio.CancelledError("prefill abandoned"))
             if worker.engine.scheduler.get_request(request_id) is not None:
                 worker.engine.abort(request_id)
 
-        await asyncio.shield(worker.loop.call(stop_on_engine_thread))
-        await asyncio.shield(self._release(peer, lease_id, push))
+        await worker.loop.call(stop_on_engine_thread)
+        await self._release(peer, lease_id, push)
 
     async def _finish_transfer(self, push, peer, lease_id, first, reason) -> None:
         """After the reply: wait for the KV push, then commit the lease (or give it back)."""
