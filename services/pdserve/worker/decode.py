@@ -37,6 +37,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, worker: Worker):
         self.worker = worker
         self.admitted: dict[str, _Admitted] = {}  # by lease id
+        self._expiry_task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Once the worker is attached: begin expiring leases."""
         self._expiry_task = asyncio.create_task(self._expire_leases())
 
     @rpc_errors
@@ -64,6 +68,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     @rpc_errors
     async def Stream(self, request, context):
+        self.worker.check_ready()
         admitted = self.admitted.get(request.lease_id)
         if admitted is None or admitted.stream_attached:
             raise LeaseError("not_found", "unknown lease, or its stream is already attached")
@@ -80,6 +85,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     @rpc_errors
     async def Release(self, request, context):
+        self.worker.check_ready()
         admitted = self.admitted.get(request.lease_id)
         if admitted is None:
             return decode_pb2.ReleaseResponse(released=False)
@@ -105,6 +111,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     @rpc_errors
     async def GetLoad(self, request, context):
+        self.worker.check_ready()
         return self.worker.load()
 
     # -- leases ---------------------------------------------------------------------------
@@ -146,7 +153,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                       LeaseError("expired", "no stream attached"))  # fmt: skip
 
     async def close(self) -> None:
-        self._expiry_task.cancel()
+        if self._expiry_task is not None:
+            self._expiry_task.cancel()
         for admitted in list(self.admitted.values()):
             await self._close(admitted, LeaseState.RELEASED, LeaseError("not_found", "shutdown"))
 
@@ -157,6 +165,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
 
     @rpc_errors
     async def Handshake(self, request, context):
+        self.worker.check_ready()
         ours, theirs = self.worker.layout, request.layout
         mismatched = [
             f"{f.name} (theirs {getattr(theirs, f.name)!r}, ours {getattr(ours, f.name)!r})"
@@ -169,6 +178,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
 
     @rpc_errors
     async def PushKV(self, request_iterator, context):
+        self.worker.check_ready()
         return await receive_push(request_iterator, self._import_chunk)
 
     def _import_chunk(self, lease_id: str, first_block: int, chunk: KVLayerChunk) -> None:
@@ -181,5 +191,6 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
 
     @rpc_errors
     async def CommitKV(self, request, context):
+        self.worker.check_ready()
         await self.decode.commit(request.lease_id, request.first_token_id)
         return kv_transfer_pb2.CommitKVResponse()

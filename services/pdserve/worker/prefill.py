@@ -174,6 +174,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     @rpc_errors
     async def GetLoad(self, request, context):
+        self.worker.check_ready()
         return self.worker.load()
 
     async def close(self) -> None:

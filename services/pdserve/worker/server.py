@@ -39,6 +39,21 @@ _SERVICES = {
 _SERVICES["both"] = _SERVICES["prefill"] + _SERVICES["decode"]
 
 
+# Keepalive: ping idle connections so a dead peer (a killed worker, a cut link) is
+# noticed in seconds rather than at the TCP timeout; accept clients' pings as often.
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [*channel_options(max_message_bytes), *KEEPALIVE_OPTIONS]
+
+
 def _load_engine(config: WorkerConfig) -> tuple[LLMEngine, str]:
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -58,7 +73,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
     """Serve until `stop` is set or SIGTERM/SIGINT arrives, then drain and exit."""
     stop = stop or asyncio.Event()
     keep_freed_memory()  # KV messages are MBs each: reuse their buffers, don't refault them
-    server = grpc.aio.server(options=channel_options(config.max_message_bytes))
+    server = grpc.aio.server(options=server_options(config.max_message_bytes))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [s.full_name for s in _SERVICES[config.role]]
@@ -66,9 +81,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME],
                                         server)  # fmt: skip
 
-    engine, fingerprint = await asyncio.to_thread(_load_engine, config)
-    worker = Worker(config, engine, fingerprint)
-    worker.loop.start()
+    worker = Worker(config)
     decode = prefill = None
     if config.role in ("decode", "both"):
         decode = DecodeServicer(worker)
@@ -78,9 +91,13 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
         prefill = PrefillServicer(worker)
         prefill_pb2_grpc.add_PrefillServicer_to_server(prefill, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
-    await server.start()
-    await _set_health(health_servicer, names, health_pb2.HealthCheckResponse.SERVING)
+    await server.start()  # health answers NOT_SERVING while the model loads
     _on_signals(stop)
+    engine, fingerprint = await asyncio.to_thread(_load_engine, config)
+    worker.attach(engine, fingerprint)
+    if decode is not None:
+        decode.start()
+    await _set_health(health_servicer, names, health_pb2.HealthCheckResponse.SERVING)
     print(f"{READY_LINE} role={config.role} address={config.host}:{port} "
           f"blocks={engine.block_manager.num_blocks}", flush=True)  # fmt: skip
     await stop.wait()

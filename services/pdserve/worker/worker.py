@@ -50,13 +50,25 @@ class WorkerConfig:
 
 
 class Worker:
-    """What every servicer of this process shares. Created once the engine has loaded."""
+    """What every servicer of this process shares.
 
-    def __init__(self, config: WorkerConfig, engine: LLMEngine, fingerprint: str):
-        self.config, self.engine = config, engine
+    The gRPC server (and its health service) starts before the model loads; until
+    `attach` runs, every call but health gets UNAVAILABLE.
+    """
+
+    def __init__(self, config: WorkerConfig):
+        self.config = config
+        self.engine: LLMEngine | None = None
+        self.loop: EngineLoop | None = None
+        self.leases: LeaseTable | None = None
+        self.layout: kv_transfer_pb2.KVLayout | None = None
+        self.draining = False
+
+    def attach(self, engine: LLMEngine, fingerprint: str) -> None:
+        """The model is loaded: start the engine thread and describe our KV layout."""
+        self.engine = engine
         self.loop = EngineLoop(engine, asyncio.get_running_loop())
         self.leases = LeaseTable(engine.model_config.num_layers)
-        self.draining = False
         model = engine.model_config
         self.layout = kv_transfer_pb2.KVLayout(
             model_fingerprint=fingerprint,
@@ -67,8 +79,15 @@ class Worker:
             head_dim=model.head_dim,
             layout=KV_LAYOUT,
         )
+        self.loop.start()
+
+    def check_ready(self) -> None:
+        if self.engine is None:
+            raise UnavailableError("worker is still loading its model")
 
     def check_admitting(self) -> None:
+        """New requests are welcome: loaded and not draining."""
+        self.check_ready()
         if self.draining:
             raise UnavailableError("worker is draining (shutting down); use another worker")
 
