@@ -58,16 +58,32 @@ def _read_ready(proc: subprocess.Popen, lines: queue.Queue) -> None:
 
 @contextmanager
 def worker_process(role: str, model_dir, *args: str, log_dir=None):
-    log_path = os.path.join(log_dir or "/tmp", f"pdserve-{role}-{os.getpid()}-{time.time_ns()}.log")
-    cmd = [sys.executable, "-m", "pdserve", "serve", role, "--model", str(model_dir),
-           "--port", "0", "--threads", "1", *args]  # fmt: skip
+    """`pdserve serve ROLE` on port 0 with one torch thread."""
+    cmd = ["serve", role, "--model", str(model_dir), "--port", "0", "--threads", "1", *args]
+    with pdserve_process(cmd, log_dir) as (fields, proc, log_path):
+        yield WorkerProcess(role, fields["address"], int(fields["blocks"]), proc, log_path)
+
+
+@contextmanager
+def router_process(model_dir, redis_url: str, *args: str, log_dir=None):
+    """`pdserve router` on port 0; yields (address, process)."""
+    cmd = ["router", "--model", str(model_dir), "--redis-url", redis_url, "--port", "0", *args]
+    with pdserve_process(cmd, log_dir) as (fields, proc, _):
+        yield fields["address"], proc
+
+
+@contextmanager
+def pdserve_process(args: list[str], log_dir=None):
+    """Run `python -m pdserve ARGS` until its ready line; SIGTERM it afterwards."""
+    name = "-".join(args[:2])
+    log_path = os.path.join(log_dir or "/tmp", f"pdserve-{name}-{time.time_ns()}.log")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve", *args],
+                                stdout=subprocess.PIPE, stderr=log, text=True)  # fmt: skip
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_read_ready, args=(proc, lines), daemon=True).start()
     try:
-        fields = _wait_ready(lines, log_path)
-        yield WorkerProcess(role, fields["address"], int(fields["blocks"]), proc, log_path)
+        yield _wait_ready(lines, log_path), proc, log_path
     finally:
         stop(proc)
 

@@ -132,7 +132,7 @@ async def test_colocated_generate_on_a_both_worker(demo_model_dir, reference_eng
             stub = decode_pb2_grpc.DecodeStub(ch)
             for prompt, want in zip(batch, expected, strict=True):
                 tokens = []
-                async for delta in stub.Generate(decode_pb2.GenerateRequest(
+                async for delta in stub.Generate(decode_pb2.LocalGenerateRequest(
                     prompt_token_ids=prompt, sampling=sampling_params_to_proto(GREEDY)
                 )):  # fmt: skip
                     tokens += delta.token_ids

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from pdserve import __version__
@@ -17,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_demo_model(subcommands)
     _add_serve(subcommands)
+    _add_router(subcommands)
     return parser
 
 
@@ -56,7 +58,82 @@ def _add_serve(subcommands: argparse._SubParsersAction) -> None:
     cmd.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a KV lease waits")
     cmd.add_argument("--kv-streams", type=int, default=4, help="parallel KV push streams")
     cmd.add_argument("--grace", type=float, default=30.0, help="seconds to drain on SIGTERM")
+    cmd.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL"),
+        help="publish heartbeats to this registry (default: $REDIS_URL)",
+    )
+    cmd.add_argument(
+        "--advertise-host", default=None, help="host others reach this worker at (default: --host)"
+    )
     cmd.set_defaults(run=_run_serve)
+
+
+def _add_router(subcommands: argparse._SubParsersAction) -> None:
+    cmd = subcommands.add_parser("router", help="run a router: the public gRPC API")
+    cmd.add_argument("--model", required=True, help="model directory (tokenizer, config)")
+    cmd.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL"),
+        help="request state and worker registry (default: $REDIS_URL)",
+    )
+    cmd.add_argument("--host", default="127.0.0.1")
+    cmd.add_argument("--port", type=int, default=0)
+    cmd.add_argument("--discovery", choices=["redis", "static", "kubernetes"], default="redis")
+    cmd.add_argument("--prefill", default="", help="static: prefill addresses, comma-separated")
+    cmd.add_argument("--decode", default="", help="static: decode addresses, comma-separated")
+    cmd.add_argument("--both", default="", help="static: colocated addresses, comma-separated")
+    cmd.add_argument("--k8s-namespace", default="default")
+    cmd.add_argument("--k8s-prefill-service", default="pdserve-prefill")
+    cmd.add_argument("--k8s-decode-service", default="pdserve-decode")
+    cmd.add_argument(
+        "--prefill-policy",
+        default="cache_aware",
+        choices=["cache_aware", "least_loaded", "round_robin"],
+    )
+    cmd.add_argument(
+        "--colocate-below",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="prefill prompts shorter than this on the decode worker (0: off)",
+    )
+    cmd.add_argument("--max-inflight", type=int, default=256)
+    cmd.add_argument("--lease-ttl-ms", type=int, default=10_000)
+    cmd.set_defaults(run=_run_router)  # fmt: skip
+
+
+def _split(addresses: str) -> list[str]:
+    return [a.strip() for a in addresses.split(",") if a.strip()]
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from pdserve.router.server import RouterConfig
+    from pdserve.router.server import main as router_main
+
+    if not args.redis_url:
+        print("pdserve router: --redis-url (or $REDIS_URL) is required", file=sys.stderr)
+        return 2
+    return router_main(
+        RouterConfig(
+            model=args.model,
+            redis_url=args.redis_url,
+            host=args.host,
+            port=args.port,
+            discovery=args.discovery,
+            prefill=_split(args.prefill),
+            decode=_split(args.decode),
+            both=_split(args.both),
+            k8s_namespace=args.k8s_namespace,
+            k8s_prefill_service=args.k8s_prefill_service,
+            k8s_decode_service=args.k8s_decode_service,
+            prefill_policy=args.prefill_policy,
+            colocate=args.colocate_below > 0,
+            colocate_max_prompt_tokens=max(args.colocate_below, 1),
+            max_inflight=args.max_inflight,
+            lease_ttl_ms=args.lease_ttl_ms,
+        )
+    )
 
 
 def _cuda() -> bool:
@@ -85,6 +162,8 @@ def _run_serve(args: argparse.Namespace) -> int:
             lease_ttl_s=args.lease_ttl,
             kv_streams=args.kv_streams,
             grace_s=args.grace,
+            redis_url=args.redis_url,
+            advertise_host=args.advertise_host,
         )
     )
 

@@ -24,6 +24,7 @@ from pdserve.engine.errors import (
 )
 from pdserve.kv.lease import LeaseError
 from pdserve.kv.transfer import KVChecksumError
+from pdserve.state.requests import CheckpointsLostError, StateUnavailableError
 
 log = logging.getLogger(__name__)
 DEFAULT_RETRY_DELAY_S = 0.1
@@ -42,6 +43,7 @@ _LEASE_CODES = {
     "expired": code_pb2.FAILED_PRECONDITION,
     "invalid": code_pb2.INVALID_ARGUMENT,
     "incomplete": code_pb2.FAILED_PRECONDITION,
+    "aborted": code_pb2.ABORTED,
 }
 
 
@@ -51,11 +53,13 @@ def to_status(exc: BaseException) -> status_pb2.Status:
         violation = error_details_pb2.BadRequest.FieldViolation(
             field=exc.field, description=exc.message
         )
-        return _status(code_pb2.INVALID_ARGUMENT, str(exc),
-                       error_details_pb2.BadRequest(field_violations=[violation]))  # fmt: skip
+        code = code_pb2.OUT_OF_RANGE if exc.out_of_range else code_pb2.INVALID_ARGUMENT
+        return _status(code, str(exc), error_details_pb2.BadRequest(field_violations=[violation]))
     if isinstance(exc, KVCapacityError):
         return _status(code_pb2.RESOURCE_EXHAUSTED, str(exc), _retry_info())
-    if isinstance(exc, UnavailableError):
+    if isinstance(exc, CheckpointsLostError):  # retrying cannot bring them back
+        return _status(code_pb2.DATA_LOSS, str(exc))
+    if isinstance(exc, UnavailableError | StateUnavailableError):
         return _status(code_pb2.UNAVAILABLE, str(exc), _retry_info())
     if isinstance(exc, UnknownRequestError):
         return _status(code_pb2.NOT_FOUND, str(exc))

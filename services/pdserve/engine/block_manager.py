@@ -9,6 +9,7 @@ prefix cache, evicted least recently freed first.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -85,6 +86,14 @@ class BlockManager:
 
     def cached_block_hashes(self) -> set[bytes]:
         return set(self._cached_blocks)
+
+    def recent_block_hashes(self, limit: int) -> list[bytes]:
+        """Up to `limit` cached hashes, most recently registered or hit last.
+
+        Routers get this bounded summary; hits refresh a block's place, so the
+        blocks of a hot shared prefix stay in it however much else is cached.
+        """
+        return list(itertools.islice(reversed(self._cached_blocks), limit))[::-1]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Find the longest cached prefix of a request that holds no blocks yet.
@@ -194,8 +203,11 @@ class BlockManager:
         block_id = self._cached_blocks.get(self._block_hash(request, index))
         if block_id is None:
             return None
-        tokens_match = self.blocks[block_id].token_ids == self._block_tokens(request, index)
-        return block_id if tokens_match else None
+        if self.blocks[block_id].token_ids != self._block_tokens(request, index):
+            return None
+        block_hash = self.blocks[block_id].block_hash
+        self._cached_blocks[block_hash] = self._cached_blocks.pop(block_hash)  # most recent
+        return block_id
 
     def _block_hash(self, request: Request, index: int) -> bytes:
         """The chained hash of the request's block `index`, computed once and kept."""

@@ -10,6 +10,8 @@ class EngineError(Exception):
 class InvalidRequestError(EngineError, ValueError):
     """A request field is invalid. `field` names it (``sampling_params.top_p``, ``prompt``)."""
 
+    out_of_range = False  # True: valid in form, but past what exists (OUT_OF_RANGE)
+
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field

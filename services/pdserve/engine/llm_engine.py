@@ -23,6 +23,7 @@ from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.validation import check_prompt_token_ids, check_request
 
 Prompt = str | Sequence[int]
 # (layer index, the step's plan) -> None
@@ -252,30 +253,11 @@ class LLMEngine:
             if not prompt:
                 raise InvalidRequestError("prompt", "must not be empty")
             return self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        vocab = self.model_config.vocab_size
-        for i, token in enumerate(ids):
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                raise InvalidRequestError(
-                    f"prompt_token_ids[{i}]", f"{token!r} is outside the vocabulary [0, {vocab})"
-                )
-        if not ids:
-            raise InvalidRequestError("prompt_token_ids", "must not be empty")
-        return ids
+        return check_prompt_token_ids(prompt, self.model_config.vocab_size)
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        params.validate(self.model_config.vocab_size)
+        check_request(prompt_ids, params, self.model_config.vocab_size, self.max_model_len)
         n = len(prompt_ids)
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"{n} tokens; the context window is {self.max_model_len}"
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                "sampling_params.max_tokens",
-                f"{params.max_tokens} plus the {n}-token prompt exceeds the context window "
-                f"of {self.max_model_len}",
-            )
         if not self.scheduler.can_ever_fit(n + params.max_tokens):
             raise InvalidRequestError(
                 "sampling_params.max_tokens",

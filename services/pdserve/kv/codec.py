@@ -63,16 +63,16 @@ def encode_message(
 
 def split_messages(
     lease_id: str, first_block: int, chunk: KVLayerChunk, max_data_bytes: int
-) -> Iterator[tuple[int, bytes]]:
+) -> Iterator[bytes]:
     """Encoded KVChunks covering ``chunk``, each with at most ``max_data_bytes`` of data.
 
-    Yields (payload bytes, message). Pieces split the block dimension, so each is a
+    Pieces split the block dimension, so each is a
     valid chunk of its own: its first block, its num_blocks in the shape, and the
     crc32 of its own bytes. A chunk that fits is sent whole with its own checksum,
     so the common case computes no crc here.
     """
     if len(chunk.data) <= max_data_bytes:
-        yield len(chunk.data), encode_message(lease_id, first_block, chunk)
+        yield encode_message(lease_id, first_block, chunk)
         return
     # data is [2 (K, V), num_blocks, block bytes...]: a block range is one slice of K
     # and one of V.
@@ -93,7 +93,7 @@ def split_messages(
             chunk.layer, chunk.dtype, (2, stop - start, *chunk.shape[2:]), b"",
             crc32(v, crc32(k)),
         )  # fmt: skip
-        yield 2 * len(k), encode_message(lease_id, first_block + start, piece, (k, v))
+        yield encode_message(lease_id, first_block + start, piece, (k, v))
 
 
 def decode_message(buffer: bytes) -> ReceivedChunk:

@@ -26,7 +26,7 @@ class LeaseError(Exception):
 
     def __init__(self, kind: str, message: str):
         super().__init__(message)
-        self.kind = kind  # "not_found" | "expired" | "invalid" | "incomplete"
+        self.kind = kind  # "not_found" | "expired" | "invalid" | "incomplete" | "aborted"
 
 
 @dataclass

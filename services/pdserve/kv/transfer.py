@@ -18,9 +18,9 @@ Choices, measured by ``bench/kv_transfer_bench.py`` (numbers in docs/benchmarks.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
-import queue
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -48,6 +48,8 @@ import os
 
 _EXPERIMENT_OPTIONS = [tuple(x) for x in json.loads(os.environ.get("KVOPTS", "[]"))]
 _END = object()  # closes a stream's queue
+MESSAGES_IN_FLIGHT_PER_STREAM = 2
+_UNBLOCK_ALL = 1 << 20
 
 OnChunk = Callable[[str, int, KVLayerChunk], None]
 
@@ -92,8 +94,9 @@ class KVChecksumError(ValueError):
 class KVPusher:
     """Client side of PushKV: pushes layer chunks over ``num_streams`` parallel streams.
 
-    Channels are created once and reused by every push; call ``close()`` when done.
-    ``push`` is blocking and thread-safe (several requests may push at once).
+    The pusher runs grpc.aio on an event loop of its own, in a thread it owns, so that
+    ``push`` can be called from plain threads. Channels are created once and reused by
+    every push; call ``close()`` when done. ``push`` is thread-safe.
     """
 
     def __init__(
@@ -107,16 +110,20 @@ class KVPusher:
             raise ValueError(f"num_streams must be at least 1, got {num_streams}")
         if max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be positive, got {max_message_bytes}")
-        self.num_streams, self.max_message_bytes = num_streams, max_message_bytes
+        self.target, self.num_streams = target, num_streams
+        self.max_message_bytes = max_message_bytes
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kv-pusher", daemon=True
+        )
+        self._thread.start()
+        self._channels = asyncio.run_coroutine_threadsafe(self._open(), self._loop).result()
+
+    async def _open(self) -> list[grpc.aio.Channel]:
         # A local subchannel pool gives each channel its own TCP connection; with the
         # global pool, channels to one target with equal options share one.
-        options = [*channel_options(max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
-        self._channels = [grpc.insecure_channel(target, options) for _ in range(num_streams)]
-        # Messages arrive already encoded by the codec, so no serializer.
-        self._push_kv = [
-            channel.stream_unary(PUSH_KV_METHOD, response_deserializer=_parse_result)
-            for channel in self._channels
-        ]
+        options = [*channel_options(self.max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
+        return [grpc.aio.insecure_channel(self.target, options) for _ in range(self.num_streams)]
 
     def push(
         self,
@@ -132,31 +139,28 @@ class KVPusher:
         Raises ``KVPushError`` with the status of the first stream that failed, after
         cancelling the others; an exception from ``chunks`` cancels all and propagates.
         """
-        failed = threading.Event()
-        streams = [_Stream(push_kv, timeout, failed) for push_kv in self._push_kv]
+        push = _Push(self._loop, self._channels, timeout)
         try:
-            self._feed(lease_id, chunks, streams, failed)
+            for first_block, chunk in chunks:
+                for message in split_messages(lease_id, first_block, chunk, self.max_message_bytes):
+                    if not push.send(message):
+                        return push.result()  # raises the stream's error
         except BaseException:
-            for stream in streams:
-                stream.future.cancel()
+            push.cancel()
             raise
         finally:
-            for stream in streams:
-                stream.close()
-        return _collect(streams)
-
-    def _feed(self, lease_id, chunks, streams: list[_Stream], failed: threading.Event) -> None:
-        num_messages = 0
-        for first_block, chunk in chunks:
-            for _, message in split_messages(lease_id, first_block, chunk, self.max_message_bytes):
-                if failed.is_set():
-                    return  # _collect reports the failure
-                streams[num_messages % len(streams)].send(message)
-                num_messages += 1
+            push.close()
+        return push.result()
 
     def close(self) -> None:
-        for channel in self._channels:
-            channel.close()
+        async def close_channels():
+            for channel in self._channels:
+                await channel.close()
+
+        asyncio.run_coroutine_threadsafe(close_channels(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
     def __enter__(self) -> KVPusher:
         return self
@@ -165,34 +169,81 @@ class KVPusher:
         self.close()
 
 
-class _Stream:
-    """One PushKV call, fed from a queue by gRPC's own request-consumer thread."""
+class _Push:
+    """One push: a PushKV call per channel on the pusher's loop, fed from the caller's thread.
 
-    def __init__(self, push_kv: grpc.StreamUnaryMultiCallable, timeout, failed: threading.Event):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.future = push_kv.future(iter(self._queue.get, _END), timeout=timeout)
-        self.future.add_done_callback(
-            lambda future: future.code() != grpc.StatusCode.OK and failed.set()
-        )
+    At most ``MESSAGES_IN_FLIGHT_PER_STREAM`` encoded messages per stream wait in the
+    queues, so a fast producer does not hold a second copy of the whole prompt's KV.
+    """
 
-    def send(self, message: bytes) -> None:
-        self._queue.put(message)
+    def __init__(self, loop: asyncio.AbstractEventLoop, channels, timeout: float | None):
+        self._loop = loop
+        self._queues = [asyncio.Queue() for _ in channels]
+        self._num_sent = 0
+        self._slots = threading.Semaphore(MESSAGES_IN_FLIGHT_PER_STREAM * len(channels))
+        self._failed = False
+        self._future = asyncio.run_coroutine_threadsafe(self._run(channels, timeout), loop)
+
+    def send(self, message: bytes) -> bool:
+        """Queue a message on the next stream; False once a stream has failed."""
+        self._slots.acquire()
+        if self._failed:
+            return False
+        queue = self._queues[self._num_sent % len(self._queues)]
+        self._num_sent += 1
+        self._loop.call_soon_threadsafe(queue.put_nowait, message)
+        return True
 
     def close(self) -> None:
-        self._queue.put(_END)
+        for queue in self._queues:
+            self._loop.call_soon_threadsafe(queue.put_nowait, _END)
 
+    def cancel(self) -> None:
+        self._future.cancel()
 
-def _collect(streams: list[_Stream]) -> PushTotals:
-    try:
-        results = [stream.future.result() for stream in streams]
-    except grpc.RpcError:
-        for stream in streams:
-            stream.future.cancel()
-        # Streams we cancelled report CANCELLED; the cause is the one that did not.
-        failures = [s.future for s in streams if s.future.code() != grpc.StatusCode.OK]
-        cause = next((f for f in failures if f.code() != grpc.StatusCode.CANCELLED), failures[0])
-        raise KVPushError(cause.code(), cause.details()) from None
-    return PushTotals(sum(r.chunks for r in results), sum(r.bytes for r in results))
+    def result(self) -> PushTotals:
+        try:
+            return self._future.result()
+        except grpc.aio.AioRpcError as error:
+            raise KVPushError(error.code(), error.details()) from None
+
+    async def _run(self, channels, timeout: float | None) -> PushTotals:
+        calls = [
+            channel.stream_unary(PUSH_KV_METHOD, response_deserializer=_parse_result)(
+                timeout=timeout
+            )
+            for channel in channels
+        ]
+        tasks = [
+            asyncio.create_task(self._stream(call, queue))
+            for call, queue in zip(calls, self._queues, strict=True)
+        ]
+        try:
+            results = await asyncio.gather(*tasks)
+        finally:  # on success these are no-ops; on failure they stop the other streams
+            for task in tasks:
+                task.cancel()
+            for call in calls:
+                call.cancel()
+        return PushTotals(sum(r.chunks for r in results), sum(r.bytes for r in results))
+
+    async def _stream(self, call, queue: asyncio.Queue) -> kv_transfer_pb2.PushKVResult:
+        try:
+            try:
+                while (message := await queue.get()) is not _END:
+                    await call.write(message)
+                    self._slots.release()
+                await call.done_writing()
+            except Exception:  # noqa: BLE001
+                # Writing to a call that has ended raises InvalidStateError or one of
+                # grpc.aio's internal errors (messages are bytes, so nothing else can
+                # fail here); awaiting the call raises its status, which says why.
+                pass
+            return await call
+        except BaseException:
+            self._failed = True
+            self._slots.release(_UNBLOCK_ALL)  # a sender waiting for a slot sees the failure
+            raise
 
 
 def _parse_result(buffer: bytes) -> kv_transfer_pb2.PushKVResult:
@@ -208,6 +259,8 @@ async def receive_push(request_iterator, on_chunk: OnChunk) -> kv_transfer_pb2.P
     exception from it, or ``KVChecksumError``, ends the stream with that exception for
     the servicer's error mapping to turn into a status.
     """
+    if os.environ.get("PIPE"):
+        return await _receive_pipelined(request_iterator, on_chunk)
     num_chunks = num_bytes = 0
     async for request in request_iterator:
         lease_id, first_block, chunk = (
@@ -218,6 +271,32 @@ async def receive_push(request_iterator, on_chunk: OnChunk) -> kv_transfer_pb2.P
         on_chunk(lease_id, first_block, chunk)
         num_chunks += 1
         num_bytes += len(chunk.data)
+    return kv_transfer_pb2.PushKVResult(chunks=num_chunks, bytes=num_bytes)
+
+
+async def _receive_pipelined(request_iterator, on_chunk):
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    num_chunks = num_bytes = 0
+    pending = None
+
+    def deliver(received, checksum):
+        lease_id, first_block, chunk = received
+        if checksum != chunk.checksum:
+            raise KVChecksumError(lease_id, chunk.layer, first_block)
+        on_chunk(lease_id, first_block, chunk)
+
+    async for request in request_iterator:
+        received = request if isinstance(request, ReceivedChunk) else from_proto(request)
+        checking = loop.run_in_executor(None, crc32, received.chunk.data)
+        if pending is not None:
+            deliver(pending[0], await pending[1])
+        pending = (received, checking)
+        num_chunks += 1
+        num_bytes += len(received.chunk.data)
+    if pending is not None:
+        deliver(pending[0], await pending[1])
     return kv_transfer_pb2.PushKVResult(chunks=num_chunks, bytes=num_bytes)
 
 

@@ -124,6 +124,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if not admitted.ready.done():
             admitted.ready.set_result(None)
 
+    async def fail(self, lease_id: str, why: str) -> None:
+        admitted = self.admitted.get(lease_id)
+        if admitted is not None and admitted.lease.state is LeaseState.OPEN:
+            await self._close(admitted, LeaseState.FAILED, LeaseError("aborted", why))
+
     async def _close(self, admitted: _Admitted, state: LeaseState, reason: Exception) -> None:
         """End a lease for good: free its blocks (or abort its request) exactly once."""
         lease = self.worker.leases.close(admitted.lease.lease_id, state)
@@ -179,7 +184,20 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     @rpc_errors
     async def PushKV(self, request_iterator, context):
         self.worker.check_ready()
-        return await receive_push(request_iterator, self._import_chunk)
+        leases_seen: set[str] = set()
+
+        def on_chunk(lease_id: str, first_block: int, chunk: KVLayerChunk) -> None:
+            leases_seen.add(lease_id)
+            self._import_chunk(lease_id, first_block, chunk)
+
+        try:
+            return await receive_push(request_iterator, on_chunk)
+        except asyncio.CancelledError:
+            # The pusher went away mid-stream (its process died, or it gave up): its
+            # leases can never complete, so fail them now rather than at their deadline.
+            for lease_id in leases_seen:
+                await asyncio.shield(self.decode.fail(lease_id, "KV push broke off"))
+            raise
 
     def _import_chunk(self, lease_id: str, first_block: int, chunk: KVLayerChunk) -> None:
         # Check the chunk's place (a lease only ever writes into its own blocks), write

@@ -22,6 +22,7 @@ from pdserve.api.v1 import (
 from pdserve.engine.fingerprint import model_fingerprint
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transfer import add_kv_transfer_servicer, channel_options, keep_freed_memory
+from pdserve.state.registry import WorkerRegistry, heartbeat
 from pdserve.worker.decode import DecodeServicer, KVTransferServicer
 from pdserve.worker.prefill import PrefillServicer
 from pdserve.worker.worker import Worker, WorkerConfig
@@ -98,12 +99,16 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
     if decode is not None:
         decode.start()
     await _set_health(health_servicer, names, health_pb2.HealthCheckResponse.SERVING)
+    heartbeats = _start_heartbeats(worker, port)
     print(f"{READY_LINE} role={config.role} address={config.host}:{port} "
           f"blocks={engine.block_manager.num_blocks}", flush=True)  # fmt: skip
     await stop.wait()
 
     log.info("draining: no new requests; finishing the running ones")
     worker.draining = True
+    if heartbeats is not None:  # leave the registry first: routers stop sending us work
+        heartbeats[1].set()
+        await heartbeats[0]
     await _set_health(health_servicer, names, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=config.grace_s)
     if prefill is not None:
@@ -111,6 +116,16 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
     if decode is not None:
         await decode.close()
     await worker.loop.stop()
+
+
+def _start_heartbeats(worker: Worker, port: int):
+    """Publish this worker to the Redis registry every second (when a URL is configured)."""
+    if not worker.config.redis_url:
+        return None
+    registry = WorkerRegistry(worker.config.redis_url)
+    stop = asyncio.Event()
+    task = asyncio.create_task(heartbeat(registry, lambda: worker.info(port), 1.0, stop=stop))
+    return task, stop
 
 
 async def _set_health(servicer, names, status) -> None:

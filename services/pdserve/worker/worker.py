@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -13,11 +14,11 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.kv.lease import LeaseTable
 from pdserve.rpc_errors import UnavailableError
+from pdserve.state.registry import MAX_CACHED_BLOCK_HASHES, ROLES, WorkerInfo
 from pdserve.wire import delta_to_proto
 from pdserve.worker.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
-ROLES = ("prefill", "decode", "both")
 KV_LAYOUT = "layer,kv,block,slot,head,dim"
 
 
@@ -38,6 +39,8 @@ class WorkerConfig:
     kv_streams: int = 4
     max_message_bytes: int = 8 << 20
     grace_s: float = 30.0
+    redis_url: str | None = None  # publish heartbeats to the worker registry
+    advertise_host: str | None = None  # how others reach us; default: host
     worker_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     def __post_init__(self) -> None:
@@ -90,6 +93,25 @@ class Worker:
         self.check_ready()
         if self.draining:
             raise UnavailableError("worker is draining (shutting down); use another worker")
+
+    def info(self, port: int) -> WorkerInfo:
+        """This worker as the registry publishes it (heartbeats)."""
+        load = self.load()
+        hashes = self.engine.block_manager.recent_block_hashes(MAX_CACHED_BLOCK_HASHES)
+        return WorkerInfo(
+            worker_id=self.config.worker_id,
+            role=self.config.role,
+            address=f"{self.config.advertise_host or self.config.host}:{port}",
+            model_fingerprint=self.layout.model_fingerprint,
+            block_size=self.layout.block_size,
+            free_blocks=load.free_blocks,
+            total_blocks=load.total_blocks,
+            running=load.running,
+            waiting=load.waiting,
+            open_leases=load.open_leases,
+            cached_block_hashes=[h.hex() for h in hashes],
+            updated_at=time.time(),
+        )
 
     def load(self) -> decode_pb2.WorkerLoad:
         engine = self.engine

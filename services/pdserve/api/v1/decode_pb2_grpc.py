@@ -51,7 +51,7 @@ class DecodeStub:
                 _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/pdserve.v1.Decode/Generate',
-                request_serializer=pdserve_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
+                request_serializer=pdserve_dot_v1_dot_decode__pb2.LocalGenerateRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_decode__pb2.TokenDelta.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
@@ -120,7 +120,7 @@ def add_DecodeServicer_to_server(servicer, server):
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.GenerateRequest.FromString,
+                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.LocalGenerateRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_decode__pb2.TokenDelta.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
@@ -235,7 +235,7 @@ class Decode:
             request,
             target,
             '/pdserve.v1.Decode/Generate',
-            pdserve_dot_v1_dot_decode__pb2.GenerateRequest.SerializeToString,
+            pdserve_dot_v1_dot_decode__pb2.LocalGenerateRequest.SerializeToString,
             pdserve_dot_v1_dot_decode__pb2.TokenDelta.FromString,
             options,
             channel_credentials,

@@ -39,5 +39,5 @@ class PrefillResponse(_message.Message):
     text: str
     logprobs: _common_pb2.PositionLogprobs
     finish_reason: _common_pb2.FinishReason
-    usage: _decode_pb2.Usage
-    def __init__(self, first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[_common_pb2.PositionLogprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_decode_pb2.Usage, _Mapping]] = ...) -> None: ...
+    usage: _common_pb2.Usage
+    def __init__(self, first_token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Union[_common_pb2.PositionLogprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""The router: the public Generate API, worker discovery, routing policy and retries."""

@@ -1,0 +1,262 @@
+"""Routing policy: which prefill worker, which decode worker, and when to skip the transfer.
+
+Pure functions over `WorkerInfo` snapshots from the registry: no gRPC, no clock, no I/O.
+A policy ranks candidates instead of picking one, because the router tries them in order
+when a worker refuses (UNAVAILABLE, RESOURCE_EXHAUSTED). Every ordering ends in
+`address, worker_id`, so a ranking never depends on the order workers were listed in.
+
+Callers pass the workers of the right role; policies only drop the unhealthy ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from pdserve.engine.block_manager import hash_block_tokens
+
+if TYPE_CHECKING:
+    from pdserve.state.registry import WorkerInfo
+
+# one queued request (running or waiting) on a prefill worker weighs as much as this many
+# cached prompt tokens: a typical prompt's prefill, which it has to wait for
+DEFAULT_LOAD_WEIGHT = 256.0
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[str]:
+    """Hex chained hashes of the prompt blocks a worker's prefix cache could serve.
+
+    Exactly what `BlockManager.get_computed_blocks` looks up: full blocks only, and never
+    the block holding the last token (the model must compute it to get the next token's
+    logits), so `(len(token_ids) - 1) // block_size` hashes.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    hashes: list[str] = []
+    parent_hash: bytes | None = None
+    for start in range(0, (len(token_ids) - 1) // block_size * block_size, block_size):
+        parent_hash = hash_block_tokens(parent_hash, token_ids[start : start + block_size])
+        hashes.append(parent_hash.hex())
+    return hashes
+
+
+class CachedHashSets:
+    """Each worker's `cached_block_hashes` as a set, built once per worker snapshot.
+
+    A snapshot is recognised by the identity of its list: the registry builds a new
+    WorkerInfo, list included, on every refresh and never mutates one it handed out, so
+    the same list object means the same contents. The list is kept alive with its set, so
+    its id cannot be reused by another list.
+    """
+
+    def __init__(self) -> None:
+        # worker_id -> (the list the set was built from, the set)
+        self._sets: dict[str, tuple[list[str], frozenset[str]]] = {}
+
+    def of(self, worker: WorkerInfo) -> frozenset[str]:
+        entry = self._sets.get(worker.worker_id)
+        if entry is None or entry[0] is not worker.cached_block_hashes:
+            entry = (worker.cached_block_hashes, frozenset(worker.cached_block_hashes))
+            self._sets[worker.worker_id] = entry
+        return entry[1]
+
+    def retain(self, workers: Sequence[WorkerInfo]) -> None:
+        """Forget every worker not in `workers`, so departed workers free their sets."""
+        keep = {worker.worker_id for worker in workers}
+        for worker_id in [w for w in self._sets if w not in keep]:
+            del self._sets[worker_id]
+
+
+def cached_prefix_blocks(
+    worker: WorkerInfo, hashes: Sequence[str], hash_sets: CachedHashSets | None = None
+) -> int:
+    """How many leading blocks of the prompt (`prompt_block_hashes`) the worker has cached.
+
+    Stops at the first miss: the worker reuses a prefix, never blocks after a gap. With
+    `hash_sets` this is O(len(hashes)); without, the worker's set is built on each call.
+    """
+    cached = (
+        hash_sets.of(worker) if hash_sets is not None else frozenset(worker.cached_block_hashes)
+    )
+    num_blocks = 0
+    for block_hash in hashes:
+        if block_hash not in cached:
+            break
+        num_blocks += 1
+    return num_blocks
+
+
+def num_queued(worker: WorkerInfo) -> int:
+    """Requests the worker has to get through before a new one: running plus waiting."""
+    return worker.running + worker.waiting
+
+
+def _healthy(workers: Sequence[WorkerInfo]) -> list[WorkerInfo]:
+    return [worker for worker in workers if worker.healthy]
+
+
+def _identity_key(worker: WorkerInfo) -> tuple[str, str]:
+    return worker.address, worker.worker_id
+
+
+# -- prefill ---------------------------------------------------------------------------
+
+
+class PrefillPolicy(Protocol):
+    def rank(self, workers: Sequence[WorkerInfo], prompt_hashes: Sequence[str]) -> list[WorkerInfo]:
+        """The healthy workers, most preferred first; the router tries them in order."""
+        ...
+
+
+class CacheAwarePrefill:
+    """Prefer the longest cached prefix, weighed against the worker's queue.
+
+    score = cached_tokens - load_weight * (running + waiting)
+
+    where cached_tokens = cached_prefix_blocks * worker.block_size, the prompt tokens the
+    worker need not compute. Highest score first; ties go to fewer queued requests, then
+    address, then worker_id. `load_weight` is in tokens per queued request: a longer
+    cached prefix wins only while it saves more than `load_weight` tokens per extra
+    request in the queue. 0 ignores load entirely.
+    """
+
+    def __init__(self, load_weight: float = DEFAULT_LOAD_WEIGHT):
+        if load_weight < 0:
+            raise ValueError(f"load_weight must be >= 0, got {load_weight}")
+        self.load_weight = load_weight
+        self._hash_sets = CachedHashSets()
+
+    def score(self, worker: WorkerInfo, prompt_hashes: Sequence[str]) -> float:
+        num_blocks = cached_prefix_blocks(worker, prompt_hashes, self._hash_sets)
+        return num_blocks * worker.block_size - self.load_weight * num_queued(worker)
+
+    def rank(self, workers: Sequence[WorkerInfo], prompt_hashes: Sequence[str]) -> list[WorkerInfo]:
+        candidates = _healthy(workers)
+        self._hash_sets.retain(candidates)
+        scores = {id(worker): self.score(worker, prompt_hashes) for worker in candidates}
+        return sorted(
+            candidates,
+            key=lambda w: (-scores[id(w)], num_queued(w), *_identity_key(w)),
+        )
+
+
+class LeastLoadedPrefill:
+    """Fewest running + waiting first, then most free KV blocks, then address, worker_id."""
+
+    def rank(self, workers: Sequence[WorkerInfo], prompt_hashes: Sequence[str]) -> list[WorkerInfo]:
+        return sorted(
+            _healthy(workers),
+            key=lambda w: (num_queued(w), -w.free_blocks, *_identity_key(w)),
+        )
+
+
+class RoundRobinPrefill:
+    """Take turns in (address, worker_id) order, ignoring load and cache.
+
+    Each call starts at the first worker after the one the previous call put first, so
+    every worker leads in turn, whatever order the workers are listed in and even as
+    workers join or leave. The rest follow in cycle order, for retries.
+    """
+
+    def __init__(self) -> None:
+        self._last_first: tuple[str, str] | None = None
+
+    def rank(self, workers: Sequence[WorkerInfo], prompt_hashes: Sequence[str]) -> list[WorkerInfo]:
+        cycle = sorted(_healthy(workers), key=_identity_key)
+        if not cycle:
+            return []
+        start = 0
+        if self._last_first is not None:
+            after = [i for i, w in enumerate(cycle) if _identity_key(w) > self._last_first]
+            start = after[0] if after else 0
+        ranked = cycle[start:] + cycle[:start]
+        self._last_first = _identity_key(ranked[0])
+        return ranked
+
+
+PREFILL_POLICIES: dict[str, Callable[[], PrefillPolicy]] = {
+    "cache_aware": CacheAwarePrefill,
+    "least_loaded": LeastLoadedPrefill,
+    "round_robin": RoundRobinPrefill,
+}
+DEFAULT_PREFILL_POLICY = "cache_aware"
+
+
+def make_prefill_policy(name: str = DEFAULT_PREFILL_POLICY) -> PrefillPolicy:
+    """The prefill policy called `name` (a `--prefill-policy` value), with its defaults."""
+    factory = PREFILL_POLICIES.get(name)
+    if factory is None:
+        choices = ", ".join(sorted(PREFILL_POLICIES))
+        raise ValueError(f"unknown prefill policy {name!r}; choose one of: {choices}")
+    return factory()
+
+
+# -- decode ----------------------------------------------------------------------------
+
+
+class DecodePolicy(Protocol):
+    def rank(self, workers: Sequence[WorkerInfo], num_blocks_needed: int) -> list[WorkerInfo]:
+        """The healthy workers, most preferred first; the router tries them in order."""
+        ...
+
+
+class MostFreeDecode:
+    """Workers that fit the request first, then most free KV blocks, then fewest running.
+
+    Full order: free_blocks >= num_blocks_needed, then free_blocks descending, then
+    running ascending, then address, worker_id. Workers that cannot fit stay in the
+    ranking, last: their free_blocks is a snapshot, and the worker itself is the
+    authority (it answers RESOURCE_EXHAUSTED when it really has no room).
+    """
+
+    def rank(self, workers: Sequence[WorkerInfo], num_blocks_needed: int) -> list[WorkerInfo]:
+        return sorted(
+            _healthy(workers),
+            key=lambda w: (
+                w.free_blocks < num_blocks_needed,
+                -w.free_blocks,
+                w.running,
+                *_identity_key(w),
+            ),
+        )
+
+
+# -- conditional disaggregation --------------------------------------------------------
+
+
+@dataclass
+class ColocationRule:
+    """When to prefill on the chosen decode worker itself instead of shipping KV over.
+
+    A short prompt, or one the decode worker has almost entirely cached, costs less to
+    compute in place than a prefill hop plus a KV transfer. Off by default.
+    """
+
+    enabled: bool = False
+    # prompts with fewer tokens than this are colocated
+    max_prompt_tokens: int = 256
+    # prompts whose uncached share on the decode worker is at most this are colocated
+    max_uncached_fraction: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.max_prompt_tokens < 0:
+            raise ValueError(f"max_prompt_tokens must be >= 0, got {self.max_prompt_tokens}")
+        if not 0.0 <= self.max_uncached_fraction <= 1.0:
+            raise ValueError(
+                f"max_uncached_fraction must be in [0, 1], got {self.max_uncached_fraction}"
+            )
+
+    def should_colocate(self, num_prompt_tokens: int, num_cached_tokens: int) -> bool:
+        """Whether to prefill on the decode worker that has `num_cached_tokens` cached."""
+        if not 0 <= num_cached_tokens <= num_prompt_tokens:
+            raise ValueError(
+                f"num_cached_tokens must be in [0, {num_prompt_tokens}], got {num_cached_tokens}"
+            )
+        if not self.enabled:
+            return False
+        if num_prompt_tokens < self.max_prompt_tokens:
+            return True
+        num_uncached_tokens = num_prompt_tokens - num_cached_tokens
+        # multiplied out, so an empty prompt needs no special case
+        return num_uncached_tokens <= self.max_uncached_fraction * num_prompt_tokens

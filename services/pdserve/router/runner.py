@@ -1,0 +1,251 @@
+"""One request across the worker pools: admit on decode, prefill, stream; retried.
+
+Generation is deterministic for a given request (greedy, or seeded per output
+position; the router seeds unseeded requests), so a retry after a worker failed
+regenerates the same tokens: the runner skips the ones already delivered and the
+caller sees one uninterrupted stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+
+from pdserve.api.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from pdserve.engine.errors import KVCapacityError
+from pdserve.router.discovery import Discovery
+from pdserve.router.policy import (
+    ColocationRule,
+    DecodePolicy,
+    PrefillPolicy,
+    cached_prefix_blocks,
+    prompt_block_hashes,
+)
+from pdserve.rpc_errors import UnavailableError
+from pdserve.state.registry import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+# A failed attempt with these codes is retried from the start on other workers.
+RETRYABLE_CODES = frozenset({
+    grpc.StatusCode.UNAVAILABLE,      # worker down or draining
+    grpc.StatusCode.ABORTED,          # KV push broke off (prefill worker died)
+    grpc.StatusCode.FAILED_PRECONDITION,  # lease expired or refused mid-hand-off
+    grpc.StatusCode.CANCELLED,        # a worker shut down under us
+    grpc.StatusCode.INTERNAL,         # a worker's engine step failed
+})  # fmt: skip
+FINISHED = common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+def _retryable(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in RETRYABLE_CODES
+
+
+@dataclass
+class Progress:
+    """What the caller learns as the request moves (for Redis state and timings)."""
+
+    phase: str = "queued"  # queued | prefilling | transferring | decoding
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    attempts: int = 0
+    admitted_at: float = 0.0
+    first_token_at: float = 0.0
+    first_decode_at: float = 0.0
+    cached_prompt_tokens: int = 0
+    on_change: Callable[[Progress], None] | None = field(default=None, repr=False)
+
+    def set(self, **fields) -> None:
+        for name, value in fields.items():
+            setattr(self, name, value)
+        if self.on_change is not None:
+            self.on_change(self)
+
+
+class ChannelPool:
+    """One grpc.aio channel per worker address, reused by every request."""
+
+    def __init__(self, options=None):
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._options = options or []
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=self._options)
+            self._channels[address] = channel
+        return channel
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+@dataclass
+class RunnerConfig:
+    block_size: int = 16
+    lease_ttl_ms: int = 10_000
+    max_attempts: int = 3
+    colocation: ColocationRule = field(default_factory=ColocationRule)
+
+
+class RequestRunner:
+    def __init__(self, discovery: Discovery, prefill_policy: PrefillPolicy,
+                 decode_policy: DecodePolicy, channels: ChannelPool,
+                 config: RunnerConfig):  # fmt: skip
+        self.discovery, self.channels, self.config = discovery, channels, config
+        self.prefill_policy, self.decode_policy = prefill_policy, decode_policy
+
+    async def run(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: common_pb2.SamplingParams,
+        progress: Progress,
+        timeout: float | None = None,
+    ) -> AsyncIterator[decode_pb2.TokenDelta]:
+        """The request's deltas, exactly once each, across retries."""
+        delivered = 0
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.config.max_attempts),
+            wait=wait_random_exponential(multiplier=0.05, max=0.5),
+            retry=retry_if_exception(_retryable),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                progress.set(attempts=progress.attempts + 1)
+                seen = 0
+                async for delta in self._attempt(request_id, prompt, sampling, progress, timeout):
+                    num_old = min(max(delivered - seen, 0), len(delta.token_ids))
+                    seen += len(delta.token_ids)
+                    if num_old:  # regenerated after a retry: the caller has these already
+                        if num_old == len(delta.token_ids) and delta.finish_reason == FINISHED:
+                            continue
+                        _drop_first_tokens(delta, num_old)
+                    delivered = max(delivered, seen)
+                    yield delta
+
+    async def _attempt(self, request_id, prompt, sampling, progress, timeout):
+        blocks_needed = -(-(len(prompt) + sampling.max_tokens) // self.config.block_size)
+        decodes = self.decode_policy.rank(self.discovery.workers("decode"), blocks_needed)
+        if not decodes:
+            raise UnavailableError("no healthy decode worker")
+        hashes = prompt_block_hashes(prompt, self.config.block_size)
+        first_choice = decodes[0]
+        cached = cached_prefix_blocks(first_choice, hashes) * self.config.block_size
+        if self.config.colocation.should_colocate(len(prompt), cached):
+            async for delta in self._colocated(first_choice, request_id, prompt, sampling,
+                                               progress, timeout):  # fmt: skip
+                yield delta
+            return
+        decode, lease = await self._admit(decodes, request_id, prompt, sampling, progress, timeout)
+        decode_stub = decode_pb2_grpc.DecodeStub(self.channels.get(decode.address))
+        stream = decode_stub.Stream(decode_pb2.StreamRequest(lease_id=lease.lease_id),
+                                    timeout=timeout)  # fmt: skip
+        try:
+            first = await self._prefill(hashes, request_id, prompt, sampling, decode, lease,
+                                        progress, timeout)  # fmt: skip
+            yield first
+            if first.finish_reason != FINISHED:
+                return
+            async for delta in stream:
+                if progress.phase != "decoding":
+                    progress.set(phase="decoding", first_decode_at=time.monotonic())
+                yield delta
+        finally:
+            stream.cancel()  # no-op when it ended; frees the decode side when we stop early
+
+    async def _admit(self, decodes: list[WorkerInfo], request_id, prompt, sampling, progress,
+                     timeout):  # fmt: skip
+        """Admit on the first decode worker with room; RESOURCE_EXHAUSTED moves on."""
+        exhausted = 0
+        for worker in decodes:
+            stub = decode_pb2_grpc.DecodeStub(self.channels.get(worker.address))
+            try:
+                lease = await stub.Admit(decode_pb2.AdmitRequest(
+                    request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+                    lease_ttl_ms=self.config.lease_ttl_ms,
+                ), timeout=timeout)  # fmt: skip
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    exhausted += 1
+                    continue
+                if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.discovery.mark_unhealthy(worker.address)
+                    continue
+                raise
+            progress.set(phase="prefilling", decode_worker=worker.address,
+                         admitted_at=time.monotonic())  # fmt: skip
+            return worker, lease
+        if exhausted:
+            raise KVCapacityError(f"no decode worker has room ({exhausted} full)")
+        raise UnavailableError("no decode worker reachable")
+
+    async def _prefill(self, hashes, request_id, prompt, sampling, decode, lease, progress,
+                       timeout) -> decode_pb2.TokenDelta:  # fmt: skip
+        prefills = self.prefill_policy.rank(self.discovery.workers("prefill"), hashes)
+        if not prefills:
+            raise UnavailableError("no healthy prefill worker")
+        last_error: Exception | None = None
+        for worker in prefills:
+            stub = prefill_pb2_grpc.PrefillStub(self.channels.get(worker.address))
+            progress.set(prefill_worker=worker.address)
+            try:
+                response = await stub.Prefill(prefill_pb2.PrefillRequest(
+                    request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+                    target=prefill_pb2.KVTarget(address=decode.address, lease_id=lease.lease_id),
+                ), timeout=timeout)  # fmt: skip
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                self.discovery.mark_unhealthy(worker.address)
+                last_error = exc  # the lease is still open: the next worker pushes into it
+                continue
+            progress.set(phase="transferring", first_token_at=time.monotonic(),
+                         cached_prompt_tokens=response.usage.cached_prompt_tokens)  # fmt: skip
+            head = decode_pb2.TokenDelta(token_ids=[response.first_token_id], text=response.text,
+                                         finish_reason=response.finish_reason)  # fmt: skip
+            if response.HasField("logprobs"):
+                head.logprobs.append(response.logprobs)
+            if response.finish_reason != FINISHED:
+                head.usage.CopyFrom(response.usage)
+            return head
+        raise last_error
+
+    async def _colocated(self, worker, request_id, prompt, sampling, progress, timeout):
+        stub = decode_pb2_grpc.DecodeStub(self.channels.get(worker.address))
+        progress.set(phase="prefilling", prefill_worker=worker.address,
+                     decode_worker=worker.address, admitted_at=time.monotonic())  # fmt: skip
+        call = stub.Generate(decode_pb2.LocalGenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+        ), timeout=timeout)  # fmt: skip
+        try:
+            async for delta in call:
+                if progress.phase == "prefilling":
+                    progress.set(phase="decoding", first_token_at=time.monotonic(),
+                                 first_decode_at=time.monotonic())  # fmt: skip
+                yield delta
+        finally:
+            call.cancel()
+
+
+def _drop_first_tokens(delta: decode_pb2.TokenDelta, count: int) -> None:
+    """Remove tokens already delivered (deltas carry one token each, so text goes too)."""
+    all_old = count == len(delta.token_ids)
+    del delta.token_ids[:count]
+    del delta.logprobs[:count]
+    if all_old:
+        delta.text = ""
