@@ -16,6 +16,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from pdserve.api_handlers import UndecodableRequest
 from pdserve.engine.errors import (
     InvalidRequestError,
     KVCapacityError,
@@ -101,6 +102,7 @@ def rpc_errors(method):
         @functools.wraps(method)
         async def stream_wrapper(self, request, context):
             try:
+                _check_parsed(request)
                 async for item in method(self, request, context):
                     yield item
             except grpc.aio.AbortError:
@@ -113,6 +115,7 @@ def rpc_errors(method):
     @functools.wraps(method)
     async def unary_wrapper(self, request, context):
         try:
+            _check_parsed(request)
             return await method(self, request, context)
         except grpc.aio.AbortError:
             raise
@@ -120,6 +123,11 @@ def rpc_errors(method):
             await abort(context, exc)
 
     return unary_wrapper
+
+
+def _check_parsed(request) -> None:
+    if isinstance(request, UndecodableRequest):
+        raise InvalidRequestError(request.field, request.message)
 
 
 def status_details(error: grpc.RpcError) -> status_pb2.Status | None:

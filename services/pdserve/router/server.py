@@ -12,7 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.api.v1 import router_pb2, router_pb2_grpc
+from pdserve.api.v1 import router_pb2
+from pdserve.api_handlers import add_servicer
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.errors import ModelLoadError
 from pdserve.engine.fingerprint import model_fingerprint
@@ -105,7 +106,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *KEEPALIVE_OPTIONS,
     ])  # fmt: skip
-    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+    add_servicer(servicer, router_pb2.DESCRIPTOR.services_by_name["Router"], server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -1,0 +1,111 @@
+"""Register servicers so that a request that does not even parse is INVALID_ARGUMENT.
+
+gRPC's generated registration parses requests before the handler runs; a message
+with invalid UTF-8 in a string field then fails inside gRPC and the client sees an
+opaque error. Here parsing failures become an `UndecodableRequest` that the
+`rpc_errors` wrapper turns into INVALID_ARGUMENT naming the offending field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import descriptor as _descriptor
+from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
+
+_HANDLERS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+_VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
+
+
+@dataclass(frozen=True, slots=True)
+class UndecodableRequest:
+    field: str  # the field at fault, as a path ("prompt.text"), or "request"
+    message: str
+
+
+def add_servicer(servicer, service: _descriptor.ServiceDescriptor, server) -> None:
+    """Like the generated add_*Servicer_to_server, with lenient request parsing."""
+    handlers = {}
+    for method in service.methods:
+        request_cls = GetMessageClass(method.input_type)
+        response_cls = GetMessageClass(method.output_type)
+        make = _HANDLERS[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=_lenient(request_cls),
+            response_serializer=response_cls.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _lenient(message_cls):
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except DecodeError:
+            where = bad_utf8_field(message_cls.DESCRIPTOR, data)
+            if where is not None:
+                return UndecodableRequest(where, "is not valid UTF-8")
+            return UndecodableRequest("request", f"is not a valid {message_cls.DESCRIPTOR.name}")
+
+    return parse
+
+
+def bad_utf8_field(desc: _descriptor.Descriptor, data: bytes, prefix: str = "") -> str | None:
+    """The path of a string field holding invalid UTF-8 in wire-format `data`, if any."""
+    position = 0
+    try:
+        while position < len(data):
+            key, position = _varint(data, position)
+            number, wire_type = key >> 3, key & 7
+            if wire_type == _VARINT:
+                _, position = _varint(data, position)
+            elif wire_type in (_FIXED64, _FIXED32):
+                position += 8 if wire_type == _FIXED64 else 4
+            elif wire_type == _LENGTH:
+                size, position = _varint(data, position)
+                payload, position = data[position : position + size], position + size
+                found = _check_field(desc.fields_by_number.get(number), payload, prefix)
+                if found is not None:
+                    return found
+            else:
+                return None
+    except IndexError:
+        return None
+    return None
+
+
+def _check_field(field, payload: bytes, prefix: str) -> str | None:
+    if field is None:
+        return None
+    path = prefix + (f"{field.containing_oneof.name}." if field.containing_oneof else "")
+    path += field.name
+    if field.type == field.TYPE_STRING:
+        try:
+            payload.decode("utf-8")
+        except UnicodeDecodeError:
+            return path
+    elif field.type == field.TYPE_MESSAGE:
+        return bad_utf8_field(field.message_type, payload, path + ".")
+    return None
+
+
+def _varint(data: bytes, position: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        byte = data[position]
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, position
+        shift += 7
