@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test lint format protos clean
+.PHONY: help setup test run lint format protos clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-8s %s\n", $$1, $$2}'
@@ -21,6 +21,9 @@ setup:  ## create .venv, install torch and pdserve with dev extras
 
 test:  ## run the test suite (real Redis, real gRPC, real torch)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+run:  ## pdserve up: Redis, 1 prefill + 1 decode worker and a router (Ctrl-C stops)
+	$(BIN)/pdserve up $(UP_ARGS)
 
 lint:  ## ruff check and format check
 	$(BIN)/ruff check services tests scripts

@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_model(subcommands)
     _add_serve(subcommands)
     _add_router(subcommands)
+    from pdserve.commands import up
+
+    up.add_parser(subcommands)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Running pdserve processes locally: one process, or a whole cluster (`pdserve up`)."""

@@ -1,0 +1,82 @@
+"""Start a `pdserve` subcommand as a child process and wait for its ready line.
+
+Every server prints `PDSERVE_READY key=value ...` (its bound address among them)
+once it serves; waiting for that line beats polling ports. Used by `pdserve up`,
+the benchmarks and the tests.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+READY_LINE = "PDSERVE_READY"
+READY_TIMEOUT_S = 180.0
+
+
+@dataclass
+class ChildProcess:
+    name: str
+    proc: subprocess.Popen
+    log_path: str
+    fields: dict[str, str] = field(default_factory=dict)  # from the ready line
+
+    @property
+    def address(self) -> str:
+        return self.fields["address"]
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM (graceful drain), then SIGKILL after timeout_s; the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def spawn(name: str, args: list[str], log_dir: str, env: dict[str, str] | None = None):
+    """Start `python -m pdserve ARGS`; stderr goes to LOG_DIR/NAME.log."""
+    log_path = os.path.join(log_dir, f"{name}.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve", *args],
+            stdout=subprocess.PIPE, stderr=log, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )  # fmt: skip
+    return ChildProcess(name, proc, log_path)
+
+
+def wait_ready(child: ChildProcess, timeout_s: float = READY_TIMEOUT_S) -> ChildProcess:
+    """Block until the child prints its ready line; RuntimeError with its log if it dies."""
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in child.proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True, name=f"{child.name}-stdout").start()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if line is None:
+            break
+        if line.startswith(READY_LINE):
+            child.fields = dict(part.split("=", 1) for part in line.split()[1:])
+            return child
+    child.stop(timeout_s=5)
+    with open(child.log_path) as f:
+        tail = f.read()[-3000:]
+    raise RuntimeError(f"{child.name} did not become ready; the end of its log:\n{tail}")

@@ -1,0 +1,27 @@
+"""Client-side subcommands (`pdserve generate`, `pdserve status`): one module each, each
+with `add_parser(subcommands)`. What they share lives here."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_ROUTER = "127.0.0.1:50051"
+EXIT_FAILURE = 1
+
+
+def add_router_argument(cmd: argparse.ArgumentParser, help_suffix: str = "") -> None:
+    cmd.add_argument(
+        "--router",
+        default=os.environ.get("PDSERVE_ROUTER", DEFAULT_ROUTER),
+        metavar="ADDR",
+        help=f"router host:port (default: $PDSERVE_ROUTER or {DEFAULT_ROUTER}){help_suffix}",
+    )
+
+
+def fail(command: str, error: BaseException | str) -> int:
+    """Print `pdserve COMMAND: error` as one line on stderr; the exit code for a failure."""
+    message = " ".join(str(error).split())  # one line, whatever the server's message holds
+    print(f"pdserve {command}: {message}", file=sys.stderr)
+    return EXIT_FAILURE

@@ -1,0 +1,78 @@
+"""`pdserve up` as a person runs it: starts, answers, and leaves nothing behind on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+
+from pdserve.api.v1 import router_pb2, router_pb2_grpc
+from pdserve.state.redis_server import free_port
+
+
+def children_of(pid: int) -> list[int]:
+    """Every descendant of pid, from /proc (no psutil needed)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        kids = [p for p, parent in parents.items() if parent == current]
+        found += kids
+        frontier += kids
+    return found
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_up_serves_a_generate_and_sigterm_leaves_nothing_behind(demo_model_dir, tmp_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("REDIS_URL", None)  # its own private Redis, stopped with it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pdserve", "up", "--model", str(demo_model_dir), "--port",
+         str(port), "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    try:
+        output = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            output.append(line)
+            if "ready" in line and "router at" in line or not line:
+                break
+        assert any("router at" in line for line in output), "".join(output)
+        descendants = children_of(proc.pid)
+        assert len(descendants) >= 4  # redis, prefill, decode, router
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            request = router_pb2.GenerateRequest(text="Hello there", stream=False)
+            request.sampling.max_tokens = 8
+            request.sampling.ignore_eos = True
+            [response] = list(stub.Generate(request, timeout=60))
+        assert len(response.token_ids) == 8
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        time.sleep(0.2)
+        assert [pid for pid in descendants if os.path.exists(f"/proc/{pid}")] == []
+        assert port_is_free(port)
+        assert (tmp_path / "run" / "router.log").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
