@@ -137,8 +137,8 @@ async def test_colocated_generate_on_a_both_worker(demo_model_dir, reference_eng
                 )):  # fmt: skip
                     tokens += delta.token_ids
                 assert tokens == want.token_ids
-        # A both worker is a prefill and a decode worker at once.
-        tokens, _ = await run(both, both, batch[1], GREEDY)
+        # A both worker is a prefill and a decode worker at once, for the same request id.
+        tokens, _ = await run(both, both, batch[1], GREEDY, request_id="same-id")
         assert tokens == expected[1].token_ids
 
 

@@ -19,9 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_model(subcommands)
     _add_serve(subcommands)
     _add_router(subcommands)
-    from pdserve.commands import up
+    from pdserve.commands import generate, status, up
 
-    up.add_parser(subcommands)
+    for command in (up, generate, status):
+        command.add_parser(subcommands)
     return parser
 
 
@@ -50,7 +51,7 @@ def _add_serve(subcommands: argparse._SubParsersAction) -> None:
     cmd.add_argument("--model", required=True, help="model directory in Hugging Face layout")
     cmd.add_argument("--host", default="127.0.0.1")
     cmd.add_argument("--port", type=int, default=0, help="0 picks a free port (printed)")
-    cmd.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    cmd.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto (cuda if present)")
     cmd.add_argument("--dtype", default="float32",
                      choices=["float32", "bfloat16", "float16"])  # fmt: skip
     cmd.add_argument("--threads", type=int, default=None, help="torch threads")
@@ -137,12 +138,6 @@ def _run_router(args: argparse.Namespace) -> int:
             lease_ttl_ms=args.lease_ttl_ms,
         )
     )
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _run_serve(args: argparse.Namespace) -> int:

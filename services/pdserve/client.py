@@ -21,7 +21,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from pdserve.api.v1 import router_pb2, router_pb2_grpc
-from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.state.registry import WorkerInfo
 from pdserve.wire import FINISH_REASON_NAMES, logprobs_from_proto, sampling_params_to_proto
@@ -92,7 +92,7 @@ class PdserveError(Exception):
 
 @contextlib.contextmanager
 def _rpc_errors() -> Iterator[None]:
-    """Re-raise gRPC errors as PdserveError (works around `await` too)."""
+    """Re-raise gRPC errors as PdserveError (a plain `with` also catches them from `await`)."""
     try:
         yield
     except grpc.RpcError as error:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from pdserve.api.v1 import common_pb2, decode_pb2
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.outputs import RequestOutput, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
 FINISH_REASONS = {

@@ -9,15 +9,21 @@ import sys
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
 EXIT_FAILURE = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
-def add_router_argument(cmd: argparse.ArgumentParser, help_suffix: str = "") -> None:
+def add_router_argument(cmd: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     cmd.add_argument(
         "--router",
-        default=os.environ.get("PDSERVE_ROUTER", DEFAULT_ROUTER),
+        default=None,
         metavar="ADDR",
-        help=f"router host:port (default: $PDSERVE_ROUTER or {DEFAULT_ROUTER}){help_suffix}",
+        help=f"router host:port (default: $PDSERVE_ROUTER, else {DEFAULT_ROUTER})",
     )
+
+
+def router_address(flag: str | None) -> str:
+    """--router if given, else $PDSERVE_ROUTER, else the default port on this machine."""
+    return flag or os.environ.get("PDSERVE_ROUTER") or DEFAULT_ROUTER
 
 
 def fail(command: str, error: BaseException | str) -> int:

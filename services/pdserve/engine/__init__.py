@@ -1,7 +1,23 @@
-"""The inference engine: paged KV cache, continuous batching, sampling. No gRPC here."""
+"""The inference engine: paged KV cache, continuous batching, sampling. No gRPC here.
 
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+`from pdserve.engine import LLMEngine, SamplingParams` is the public entry point. The
+names load lazily so that torch-free parts (the client, the router's tokenizer) do
+not pay for importing torch.
+"""
 
-__all__ = ["LLMEngine", "RequestOutput", "SamplingParams"]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "LLMEngine": "pdserve.engine.llm_engine",
+    "RequestOutput": "pdserve.engine.outputs",
+    "SamplingParams": "pdserve.engine.sampling_params",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,8 +6,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float  # of token_id under the raw distribution
+    top: list[tuple[int, float]]  # params.logprobs (token_id, logprob) pairs, best first
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.outputs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -32,13 +33,6 @@ class SamplingState:
     generator: torch.Generator | None = None
     # never sampled this step (EOS and stop ids while fewer than min_tokens are out)
     banned_token_ids: tuple[int, ...] = ()
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float  # of token_id under the raw distribution
-    top: list[tuple[int, float]]  # params.logprobs (token_id, logprob) pairs, best first
 
 
 @dataclass(slots=True)

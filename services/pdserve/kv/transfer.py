@@ -6,14 +6,14 @@ they are produced, so the first layer is on the wire while later ones are still
 computing. The decode side's servicer hands its request iterator to ``receive_push``.
 
 Choices, measured by ``bench/kv_transfer_bench.py`` (numbers in docs/benchmarks.md):
-- Sync gRPC with one feeding thread per stream beats grpc.aio on the client: the
-  caller is a plain thread, and the aio loop adds a hop per message.
 - Messages are built by ``codec`` (header by protobuf, payload joined once) and read
-  back as memoryviews: protobuf's own path copies each payload three times.
+  back as memoryviews: protobuf's own path copies each payload three more times.
 - A layer chunk that fits one message is sent whole with the checksum the engine
   computed; only split chunks get a crc32 per piece on the sending side.
-- The receiver verifies every crc32 (``KVChecksumError``) before ``on_chunk`` sees
-  the chunk; ``KVCache.import_layer`` checks again, which is cheap next to the copy.
+- The client is grpc.aio on a loop of the pusher's own: about half the CPU of the
+  sync stubs, whose request-consumer thread per stream wakes for every message.
+- The receiver verifies every crc32 (``KVChecksumError``) on the default executor,
+  so the event loop reads other streams meanwhile (zlib.crc32 releases the GIL).
 """
 
 from __future__ import annotations
@@ -40,27 +40,29 @@ from pdserve.kv.codec import (
 
 DEFAULT_NUM_STREAMS = 2
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # payload bytes per KVChunk
+# Encoded messages waiting per stream: enough to keep the stream busy, few enough that
+# a producer faster than the network does not hold a second copy of a prompt's KV.
+MESSAGES_QUEUED_PER_STREAM = 2
 
 _SERVICE = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"]
 PUSH_KV_METHOD = f"/{_SERVICE.full_name}/PushKV"
-import json
-import os
-
-_EXPERIMENT_OPTIONS = [tuple(x) for x in json.loads(os.environ.get("KVOPTS", "[]"))]
 _END = object()  # closes a stream's queue
-MESSAGES_IN_FLIGHT_PER_STREAM = 2
-_UNBLOCK_ALL = 1 << 20
+_UNBLOCK_ALL = 1 << 20  # semaphore releases that wake any waiting sender
 
 OnChunk = Callable[[str, int, KVLayerChunk], None]
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
-    """gRPC options for KVTransfer clients and servers carrying ``max_message_bytes`` payloads."""
+    """gRPC options for KVTransfer clients and servers carrying ``max_message_bytes`` payloads.
+
+    Only the message size limits: the HTTP/2 frame size, stream lookahead, BDP
+    probing and TCP read chunk sizes made no difference above the run-to-run noise.
+    """
     limit = max_message_bytes + HEADER_ALLOWANCE_BYTES
     return [
         ("grpc.max_send_message_length", limit),
         ("grpc.max_receive_message_length", limit),
-    ] + _EXPERIMENT_OPTIONS
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,12 +74,11 @@ class PushTotals:
 
 
 class KVPushError(Exception):
-    """A PushKV stream failed; ``code`` and ``details`` are its gRPC status."""
+    """A push failed; ``code`` and ``details`` are the gRPC status of the failed stream."""
 
-    def __init__(self, code: grpc.StatusCode, details: str | None):
-        super().__init__(f"PushKV failed: {code.name}: {details}")
-        self.code = code
-        self.details = details
+    def __init__(self, lease_id: str, code: grpc.StatusCode, details: str | None):
+        super().__init__(f"PushKV of lease {lease_id!r} failed: {code.name}: {details}")
+        self.lease_id, self.code, self.details = lease_id, code, details
 
 
 class KVChecksumError(ValueError):
@@ -94,9 +95,9 @@ class KVChecksumError(ValueError):
 class KVPusher:
     """Client side of PushKV: pushes layer chunks over ``num_streams`` parallel streams.
 
-    The pusher runs grpc.aio on an event loop of its own, in a thread it owns, so that
-    ``push`` can be called from plain threads. Channels are created once and reused by
-    every push; call ``close()`` when done. ``push`` is thread-safe.
+    grpc.aio runs on an event loop of the pusher's own, in a thread it owns, so ``push``
+    is a blocking call for plain threads (not for a coroutine). Channels are created
+    once and reused by every push; ``close()`` ends them. ``push`` is thread-safe.
     """
 
     def __init__(
@@ -117,13 +118,7 @@ class KVPusher:
             target=self._loop.run_forever, name="kv-pusher", daemon=True
         )
         self._thread.start()
-        self._channels = asyncio.run_coroutine_threadsafe(self._open(), self._loop).result()
-
-    async def _open(self) -> list[grpc.aio.Channel]:
-        # A local subchannel pool gives each channel its own TCP connection; with the
-        # global pool, channels to one target with equal options share one.
-        options = [*channel_options(self.max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
-        return [grpc.aio.insecure_channel(self.target, options) for _ in range(self.num_streams)]
+        self._channels = self._call(self._open_channels())
 
     def push(
         self,
@@ -139,12 +134,9 @@ class KVPusher:
         Raises ``KVPushError`` with the status of the first stream that failed, after
         cancelling the others; an exception from ``chunks`` cancels all and propagates.
         """
-        push = _Push(self._loop, self._channels, timeout)
+        push = _Push(lease_id, self._loop, self._channels, timeout)
         try:
-            for first_block, chunk in chunks:
-                for message in split_messages(lease_id, first_block, chunk, self.max_message_bytes):
-                    if not push.send(message):
-                        return push.result()  # raises the stream's error
+            self._feed(push, chunks)
         except BaseException:
             push.cancel()
             raise
@@ -152,12 +144,16 @@ class KVPusher:
             push.close()
         return push.result()
 
-    def close(self) -> None:
-        async def close_channels():
-            for channel in self._channels:
-                await channel.close()
+    def _feed(self, push: _Push, chunks: Iterable[tuple[int, KVLayerChunk]]) -> None:
+        for first_block, chunk in chunks:
+            for message in split_messages(
+                push.lease_id, first_block, chunk, self.max_message_bytes
+            ):
+                if not push.send(message):
+                    return  # a stream failed; push.result() raises its status
 
-        asyncio.run_coroutine_threadsafe(close_channels(), self._loop).result()
+    def close(self) -> None:
+        self._call(self._close_channels())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
@@ -168,24 +164,36 @@ class KVPusher:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    async def _open_channels(self) -> list[grpc.aio.Channel]:
+        # A local subchannel pool gives each channel its own TCP connection; with the
+        # global pool, channels to one target with equal options share one.
+        options = [*channel_options(self.max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
+        return [grpc.aio.insecure_channel(self.target, options) for _ in range(self.num_streams)]
+
+    async def _close_channels(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+
 
 class _Push:
-    """One push: a PushKV call per channel on the pusher's loop, fed from the caller's thread.
+    """One push: a PushKV call per channel on the pusher's loop, fed from the caller's thread."""
 
-    At most ``MESSAGES_IN_FLIGHT_PER_STREAM`` encoded messages per stream wait in the
-    queues, so a fast producer does not hold a second copy of the whole prompt's KV.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, channels, timeout: float | None):
-        self._loop = loop
+    def __init__(self, lease_id: str, loop, channels, timeout: float | None):
+        self.lease_id, self._loop = lease_id, loop
         self._queues = [asyncio.Queue() for _ in channels]
         self._num_sent = 0
-        self._slots = threading.Semaphore(MESSAGES_IN_FLIGHT_PER_STREAM * len(channels))
-        self._failed = False
+        self._slots = threading.Semaphore(MESSAGES_QUEUED_PER_STREAM * len(channels))
+        self._failed = False  # set on the loop, read by the caller: a plain flag will do
         self._future = asyncio.run_coroutine_threadsafe(self._run(channels, timeout), loop)
 
     def send(self, message: bytes) -> bool:
-        """Queue a message on the next stream; False once a stream has failed."""
+        """Queue a message on the next stream (blocking while they are full).
+
+        Returns False, sending nothing, once a stream has failed.
+        """
         self._slots.acquire()
         if self._failed:
             return False
@@ -205,7 +213,7 @@ class _Push:
         try:
             return self._future.result()
         except grpc.aio.AioRpcError as error:
-            raise KVPushError(error.code(), error.details()) from None
+            raise KVPushError(self.lease_id, error.code(), error.details()) from None
 
     async def _run(self, channels, timeout: float | None) -> PushTotals:
         calls = [
@@ -219,8 +227,9 @@ class _Push:
             for call, queue in zip(calls, self._queues, strict=True)
         ]
         try:
+            # The first stream to fail raises here, with its own status.
             results = await asyncio.gather(*tasks)
-        finally:  # on success these are no-ops; on failure they stop the other streams
+        finally:  # no-ops after success; after a failure they stop the other streams
             for task in tasks:
                 task.cancel()
             for call in calls:
@@ -253,50 +262,23 @@ def _parse_result(buffer: bytes) -> kv_transfer_pb2.PushKVResult:
 async def receive_push(request_iterator, on_chunk: OnChunk) -> kv_transfer_pb2.PushKVResult:
     """Consume one PushKV stream on a grpc.aio server: verify each chunk, pass it on.
 
-    Requests are ``ReceivedChunk`` (servicers registered with ``add_kv_transfer_servicer``,
-    zero-copy) or ``KVChunk`` protos (the generated registration). ``on_chunk(lease_id,
-    first_block, chunk)`` runs for each message in order, after its crc32 matched; an
-    exception from it, or ``KVChecksumError``, ends the stream with that exception for
-    the servicer's error mapping to turn into a status.
+    Requests are ``ReceivedChunk`` (servicers registered with ``add_kv_transfer_servicer``:
+    no copies) or ``KVChunk`` protos (the generated registration). ``on_chunk(lease_id,
+    first_block, chunk)`` runs on the event loop for each message in order, after its
+    crc32 matched. An exception from it, or ``KVChecksumError``, ends the stream: it
+    propagates to the servicer, whose error mapping turns it into a status.
     """
-    if os.environ.get("PIPE"):
-        return await _receive_pipelined(request_iterator, on_chunk)
+    loop = asyncio.get_running_loop()
     num_chunks = num_bytes = 0
     async for request in request_iterator:
         lease_id, first_block, chunk = (
             request if isinstance(request, ReceivedChunk) else from_proto(request)
         )
-        if crc32(chunk.data) != chunk.checksum:
+        if await loop.run_in_executor(None, crc32, chunk.data) != chunk.checksum:
             raise KVChecksumError(lease_id, chunk.layer, first_block)
         on_chunk(lease_id, first_block, chunk)
         num_chunks += 1
         num_bytes += len(chunk.data)
-    return kv_transfer_pb2.PushKVResult(chunks=num_chunks, bytes=num_bytes)
-
-
-async def _receive_pipelined(request_iterator, on_chunk):
-    import asyncio
-
-    loop = asyncio.get_running_loop()
-    num_chunks = num_bytes = 0
-    pending = None
-
-    def deliver(received, checksum):
-        lease_id, first_block, chunk = received
-        if checksum != chunk.checksum:
-            raise KVChecksumError(lease_id, chunk.layer, first_block)
-        on_chunk(lease_id, first_block, chunk)
-
-    async for request in request_iterator:
-        received = request if isinstance(request, ReceivedChunk) else from_proto(request)
-        checking = loop.run_in_executor(None, crc32, received.chunk.data)
-        if pending is not None:
-            deliver(pending[0], await pending[1])
-        pending = (received, checking)
-        num_chunks += 1
-        num_bytes += len(received.chunk.data)
-    if pending is not None:
-        deliver(pending[0], await pending[1])
     return kv_transfer_pb2.PushKVResult(chunks=num_chunks, bytes=num_bytes)
 
 
@@ -326,25 +308,26 @@ def add_kv_transfer_servicer(servicer, server) -> None:
     server.add_registered_method_handlers(_SERVICE.full_name, handlers)
 
 
-# glibc returns freed blocks of 128 KiB or more to the kernel at once, and a process
-# that receives (or sends) 4 MiB messages then page-faults every byte of every message
-# into fresh zeroed memory: about a third of the receiver's CPU time in the benchmark.
-_MALLOC_TRIM_THRESHOLD, _MALLOC_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers
-_MALLOC_KEEP_BYTES = 1 << 30
-_MALLOC_MMAP_BYTES = 32 << 20  # glibc's largest allowed threshold
+# glibc hands freed blocks of 128 KiB and more straight back to the kernel, so a process
+# that sends or receives multi-MiB messages page-faults every byte of every message
+# into fresh zeroed pages: about a third of the receiver's CPU time in the benchmark.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers (malloc.h)
+_MMAP_THRESHOLD_BYTES = 32 << 20  # the largest glibc accepts
+_TRIM_THRESHOLD_BYTES = 1 << 30
 
 
 def keep_freed_memory() -> bool:
-    """Ask glibc to reuse freed message buffers instead of unmapping them; process-wide.
+    """Make glibc reuse freed message buffers instead of unmapping them; process-wide.
 
-    Call once at start-up in processes that send or receive KV. Returns False where
-    the C library is not glibc (nothing changed).
+    Allocations under 32 MiB come from the heap, and up to 1 GiB of freed heap stays
+    mapped for reuse. Call once at start-up in processes that send or receive KV.
+    Returns False, changing nothing, where the C library is not glibc.
     """
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
     if libc is None or not hasattr(libc, "mallopt"):
         return False
     return bool(
-        libc.mallopt(_MALLOC_MMAP_THRESHOLD, _MALLOC_MMAP_BYTES)
-        and libc.mallopt(_MALLOC_TRIM_THRESHOLD, _MALLOC_KEEP_BYTES)
+        libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
+        and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES)
     )

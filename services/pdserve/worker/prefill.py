@@ -28,6 +28,7 @@ from pdserve.worker.engine_loop import EXPORT_DONE, KVExport
 from pdserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)
+PREFILL_ID_SUFFIX = "/prefill"
 
 
 class _DecodePeer:
@@ -92,7 +93,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         worker.check_admitting()
         if not request.target.address or not request.target.lease_id:
             raise InvalidRequestError("target", "address and lease_id are required")
-        request_id = request.request_id or uuid.uuid4().hex
+        # Its own id in this engine: on a `both` worker the decode side holds the
+        # caller's request id for the same request (its lease).
+        request_id = f"{request.request_id or uuid.uuid4().hex}{PREFILL_ID_SUFFIX}"
         params = sampling_params_from_proto(request.sampling)
         lease_id = request.target.lease_id
         peer = self._peer(request.target.address)

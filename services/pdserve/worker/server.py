@@ -58,9 +58,12 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
 def _load_engine(config: WorkerConfig) -> tuple[LLMEngine, str]:
     if config.threads:
         torch.set_num_threads(config.threads)
+    device = config.device
+    if device == "auto":  # chosen at start-up: the GPU when there is one
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = LLMEngine.from_pretrained(
         config.model,
-        device=config.device,
+        device=device,
         dtype=config.dtype,
         block_size=config.block_size,
         num_kv_blocks=config.num_kv_blocks,

@@ -1,0 +1,313 @@
+"""`pdserve bench`: an open-loop sweep of request rates against a router, or against local
+clusters of several shapes side by side (`--compare colocated:2 prefill:1,decode:1`).
+
+Compared clusters run at the same time but are measured one at a time, rate by rate, in
+alternating order (a b, b a, ...), so a slow spell of the machine lands on both. Writes
+WORKLOAD.json (every request's token times), WORKLOAD.md and three PNGs into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import platform
+import random
+import shlex
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from pdserve.bench.loadgen import run_plan
+from pdserve.bench.metrics import MS, SLO, summarize
+from pdserve.bench.plots import plot_cdfs, plot_latency_vs_rate, plot_timeline
+from pdserve.bench.report import BenchResult, ConfigRun, RateRun, markdown, write_json
+from pdserve.bench.workload import WORKLOADS, Workload, custom_workload, plan, sample_request
+from pdserve.client import AsyncClient, PdserveError
+from pdserve.cluster.local import ClusterShape, LocalCluster
+from pdserve.commands import EXIT_INTERRUPTED, add_router_argument, fail, router_address
+
+DEFAULT_OUT = "bench-results"
+# --colocate-below for an all-colocated shape: every prompt is prefilled on the worker that
+# decodes it. Without it the router would ship KV between two `both` workers.
+COLOCATE_EVERY_PROMPT = 1 << 30
+SETTLE_S = 1.0  # pause between runs: cancelled requests of the last one are freed by then
+SOLO_REPEATS = 2  # per kind, alone; the last is kept (the first warms the workers up)
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """What one `pdserve bench` measures, validated once from the flags."""
+
+    workload: Workload
+    rates: list[float]
+    duration_s: float
+    drain_s: float
+    num_warmup: int
+    seed: int
+    slo: SLO
+    shapes: list[ClusterShape]  # empty: measure the router given
+    timeline_rate: float
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BenchConfig:
+        if (args.prompt_len is None) != (args.output_len is None):
+            raise ValueError("--prompt-len and --output-len come together")
+        workload = (
+            custom_workload(args.prompt_len, args.output_len)
+            if args.prompt_len
+            else WORKLOADS[args.workload]
+        )
+        try:
+            rates = sorted({float(r) for r in args.rates.split(",")})
+        except ValueError as exc:
+            raise ValueError(f"--rates: {exc}") from exc
+        if rates[0] <= 0 or args.duration <= 0 or args.drain <= 0 or args.warmup < 0:
+            raise ValueError("rates, --duration and --drain must be > 0; --warmup >= 0")
+        timeline_rate = rates[len(rates) // 2] if args.timeline_rate is None else args.timeline_rate
+        if timeline_rate not in rates:
+            raise ValueError(f"--timeline-rate {timeline_rate:g} is not one of the rates")
+        return cls(
+            workload,
+            rates,
+            args.duration,
+            args.drain,
+            args.warmup,
+            args.seed,
+            SLO(args.ttft_slo_ms, args.tpot_slo_ms),
+            [ClusterShape.parse(s) for s in args.compare or []],
+            timeline_rate,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    name: str
+    address: str
+
+
+def add_parser(subcommands: argparse._SubParsersAction) -> None:
+    cmd = subcommands.add_parser(
+        "bench", help="open-loop serving benchmark: TTFT, TPOT, throughput and goodput"
+    )
+    target = cmd.add_mutually_exclusive_group()
+    add_router_argument(target)
+    target.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="SHAPE",
+        help="start a local cluster of each shape (e.g. colocated:2 "
+        "prefill:1,decode:1) and run the same requests on each",
+    )
+    cmd.add_argument("--model", help="with --compare: model directory (default: the tiny demo)")
+    cmd.add_argument("--threads", type=int, default=1, help="with --compare: threads per worker")
+    cmd.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="with --compare: extra argument for every worker (repeatable)",
+    )
+    cmd.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
+    cmd.add_argument(
+        "--prompt-len",
+        metavar="DIST",
+        help="instead of --workload: fixed:N, uniform:LOW:HIGH or "
+        "lognormal:MEDIAN:SIGMA:LOW:HIGH (with --output-len)",
+    )
+    cmd.add_argument("--output-len", metavar="DIST", help="output lengths (exact), as above")
+    cmd.add_argument("--rates", default="1", help="requests/s; comma-separated: a sweep")
+    cmd.add_argument(
+        "--duration", type=float, default=20.0, help="seconds of measured arrivals per rate"
+    )
+    cmd.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="requests sent first at each rate and left out of the statistics",
+    )
+    cmd.add_argument(
+        "--drain",
+        type=float,
+        default=30.0,
+        help="seconds after the last send until unfinished requests count as failed",
+    )
+    cmd.add_argument("--seed", type=int, default=0)
+    cmd.add_argument("--ttft-slo-ms", type=float, default=2000.0)
+    cmd.add_argument("--tpot-slo-ms", type=float, default=200.0)
+    cmd.add_argument(
+        "--timeline-rate",
+        type=float,
+        default=None,
+        help="the rate whose run the timeline plot shows (default: mid-sweep)",
+    )
+    cmd.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    cmd.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    try:
+        config = BenchConfig.from_args(args)
+    except ValueError as exc:
+        return fail("bench", exc)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
+    try:
+        with contextlib.ExitStack() as stack:
+            targets = _start_targets(args, config.shapes, out, stack, console)
+            model, configs = asyncio.run(_measure(config, targets, console))
+    except (RuntimeError, OSError, PdserveError) as exc:
+        return fail("bench", exc)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    machine = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "threads": args.threads,
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg(),
+    }
+    result = BenchResult(
+        _command_line(args),
+        model,
+        config.workload,
+        config.rates,
+        config.duration_s,
+        config.drain_s,
+        config.num_warmup,
+        config.seed,
+        config.slo,
+        machine,
+        configs,
+    )
+    paths = write_outputs(result, out, config.timeline_rate)
+    print(paths[1].read_text())
+    console.print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def write_outputs(result: BenchResult, out: Path, timeline_rate: float) -> list[Path]:
+    """WORKLOAD.json, WORKLOAD.md and the figures; their paths, in that order."""
+    name = result.workload.name
+    figures = [
+        plot_cdfs(result, out / f"{name}-cdf.png"),
+        plot_latency_vs_rate(result, out / f"{name}-vs-rate.png"),
+        plot_timeline(result, timeline_rate, out / f"{name}-timeline.png"),
+    ]
+    json_path, md_path = out / f"{name}.json", out / f"{name}.md"
+    write_json(result, json_path)
+    md_path.write_text(markdown(result, [f.name for f in figures]))
+    return [json_path, md_path, *figures]
+
+
+def _start_targets(
+    args, shapes: list[ClusterShape], out: Path, stack: contextlib.ExitStack, console: Console
+) -> list[Target]:
+    """The router given, or a started local cluster per shape (stopped with `stack`)."""
+    if not shapes:
+        address = router_address(args.router)
+        return [Target(address, address)]
+    from pdserve.commands.up import _ensure_demo_model
+
+    model = args.model or str(_ensure_demo_model(console))
+    targets = []
+    for shape in shapes:
+        router_args = ["--colocate-below", str(COLOCATE_EVERY_PROMPT)] if not shape.prefill else []
+        run_dir = (out / "logs" / str(shape).replace(":", "").replace(",", "-")).resolve()
+        cluster = LocalCluster(
+            model,
+            shape,
+            run_dir,
+            threads=args.threads,
+            worker_args=args.worker_arg,
+            router_args=router_args,
+        )
+        with console.status(f"starting {shape} (logs in {run_dir})"):
+            stack.enter_context(cluster)
+        console.print(f"{shape}: router at {cluster.router_address}")
+        targets.append(Target(str(shape), cluster.router_address))
+    return targets
+
+
+async def _measure(
+    config: BenchConfig, targets: list[Target], console: Console
+) -> tuple[str, list[ConfigRun]]:
+    """The model's name, and every target measured alone per kind, then at every rate."""
+    async with AsyncClient(targets[0].address, timeout=30) as client:
+        model = (await client.model_info()).model
+    configs = [ConfigRun(t.name, t.address) for t in targets]
+    for c in configs:
+        c.solo = await _solo(c.address, config)
+        console.print(f"{c.name} alone: {c.solo}")
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console) as progress:
+        for i, rate in enumerate(config.rates):
+            planned = plan(config.workload, rate, config.duration_s, config.num_warmup, config.seed)
+            for c in configs if i % 2 == 0 else configs[::-1]:
+                task = progress.add_task(f"{c.name} @ {rate:g} req/s", total=len(planned))
+                results = await run_plan(
+                    c.address,
+                    planned,
+                    config.drain_s,
+                    on_done=lambda r, t=task: progress.advance(t),
+                )
+                c.runs.append(RateRun(rate, summarize(rate, results, config.slo), results))
+                await asyncio.sleep(SETTLE_S)
+    for c in configs:
+        c.runs.sort(key=lambda run: run.rate)
+    return model, configs
+
+
+async def _solo(address: str, config: BenchConfig) -> dict[str, dict[str, float]]:
+    """One request of each kind, alone, timed: what an idle cluster does (calibration)."""
+    solo = {}
+    for kind in config.workload.kinds:
+        for repeat in range(SOLO_REPEATS):  # fresh prompt ids each time: no prefix-cache hits
+            rng = random.Random(f"{config.seed}/solo/{kind.name}/{repeat}")
+            [result] = await run_plan(address, [sample_request(kind, rng, rng)], config.drain_s)
+            if not result.ok:
+                raise RuntimeError(f"a {kind.name} request alone failed: {result.error}")
+        solo[kind.name] = {"ttft_ms": result.ttft * MS, "tpot_ms": (result.tpot or 0.0) * MS}
+    return solo
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The flags that decide the results, as a command to run again."""
+    words = ["pdserve", "bench"]
+    if args.compare:
+        words += ["--compare", *args.compare, "--model", args.model or "(tiny demo)"]
+        words += ["--threads", str(args.threads)] if args.threads != 1 else []
+        words += [f"--worker-arg={a}" for a in args.worker_arg]
+    else:
+        words += ["--router", router_address(args.router)]
+    if args.prompt_len:
+        words += ["--prompt-len", args.prompt_len, "--output-len", args.output_len]
+    else:
+        words += ["--workload", args.workload]
+    words += [
+        "--rates",
+        args.rates,
+        "--duration",
+        f"{args.duration:g}",
+        "--warmup",
+        str(args.warmup),
+        "--drain",
+        f"{args.drain:g}",
+        "--seed",
+        str(args.seed),
+        "--ttft-slo-ms",
+        f"{args.ttft_slo_ms:g}",
+        "--tpot-slo-ms",
+        f"{args.tpot_slo_ms:g}",
+    ]
+    return shlex.join(words) + f"  # {time.strftime('%Y-%m-%d %H:%M')}"

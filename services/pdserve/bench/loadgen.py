@@ -1,0 +1,112 @@
+"""The open-loop load generator: each planned request is sent at its time, one task each.
+
+Open loop: a request goes out when the plan says, whether or not earlier ones have
+finished, so an overloaded server shows as growing latency instead of a slower client.
+Every token's arrival is timed on the client (a message carrying several tokens times
+them all at its arrival). The run is bounded: whatever has not finished `drain_s` after
+the last send is cancelled and counted as failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdserve.bench.workload import PlannedRequest
+from pdserve.client import AsyncClient, PdserveError
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class RequestResult:
+    index: int
+    kind: str
+    warmup: bool
+    prompt_tokens: int
+    max_tokens: int
+    sent_at: float  # seconds after the run started, as actually sent
+    token_times: list[float] = field(default_factory=list)  # seconds after sent_at, per token
+    timings: dict[str, float] | None = None  # the router's, from the final message (ms)
+    error: str = ""  # empty: the request finished
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0]
+
+    @property
+    def e2e(self) -> float:
+        return self.token_times[-1]
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean seconds per output token after the first; None with fewer than two tokens."""
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        """Every inter-token gap, in seconds."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+
+async def send_one(
+    client: AsyncClient, request: PlannedRequest, start: float, deadline: float
+) -> RequestResult:
+    """Stream one request; its times, or its error, never an exception."""
+    sent = time.perf_counter()
+    result = RequestResult(
+        request.index,
+        request.kind,
+        request.warmup,
+        len(request.prompt_token_ids),
+        request.max_tokens,
+        sent - start,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
+    try:
+        async with asyncio.timeout_at(asyncio.get_running_loop().time() + deadline - sent):
+            async for chunk in client.stream(request.prompt_token_ids, params):
+                now = time.perf_counter() - sent
+                result.token_times.extend(now for _ in chunk.token_ids)
+                if chunk.timings is not None:
+                    result.timings = chunk.timings
+    except TimeoutError:
+        result.error = "not finished when the run ended"
+    except PdserveError as exc:
+        result.error = str(exc)
+    if not result.error and result.output_tokens != request.max_tokens:
+        result.error = f"{result.output_tokens} tokens, asked for {request.max_tokens}"
+    return result
+
+
+async def run_plan(
+    address: str,
+    planned: list[PlannedRequest],
+    drain_s: float,
+    on_done: Callable[[RequestResult], None] = lambda r: None,
+) -> list[RequestResult]:
+    """Send the plan against a router; results in plan order."""
+    async with AsyncClient(address) as client:
+        start = time.perf_counter()
+        deadline = start + (planned[-1].send_at if planned else 0.0) + drain_s
+        tasks = []
+        for request in planned:
+            delay = start + request.send_at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            task = asyncio.create_task(send_one(client, request, start, deadline))
+            task.add_done_callback(lambda t: t.cancelled() or on_done(t.result()))
+            tasks.append(task)
+        return list(await asyncio.gather(*tasks))

@@ -1,0 +1,140 @@
+"""Per-rate statistics of a run, SLO attainment and goodput. Pure functions, no I/O.
+
+TTFT is the client's time to the first token; TPOT a request's mean time per output token
+after the first, (e2e - ttft) / (tokens - 1); ITL every single gap between two tokens, so
+its p99 shows the stalls that a per-request mean smooths over. Latencies are reported in
+milliseconds. Warm-up requests are left out of everything here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from pdserve.bench.loadgen import RequestResult
+
+# DistServe's goodput: the highest rate at which at least this share of requests meets both
+# the TTFT and the TPOT SLO.
+SLO_ATTAINMENT_GOAL = 0.9
+MS = 1000.0
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100), interpolated between closest ranks as numpy does; nan if
+    there are no values."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    count: int
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: Iterable[float], scale: float = MS) -> Stats:
+        """Stats of `values` times `scale` (seconds to milliseconds by default)."""
+        scaled = [v * scale for v in values]
+        mean = sum(scaled) / len(scaled) if scaled else math.nan
+        return cls(len(scaled), mean, *(percentile(scaled, q) for q in (50, 90, 99)))
+
+
+@dataclass(frozen=True, slots=True)
+class SLO:
+    ttft_ms: float
+    tpot_ms: float
+
+    def __post_init__(self) -> None:
+        if self.ttft_ms <= 0 or self.tpot_ms <= 0:
+            raise ValueError("SLOs must be > 0 ms")
+
+    def met_by(self, result: RequestResult) -> bool:
+        """Finished, and within both SLOs (a one-token request has no TPOT to miss)."""
+        if not result.ok:
+            return False
+        tpot = result.tpot
+        return result.ttft * MS <= self.ttft_ms and (tpot is None or tpot * MS <= self.tpot_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class RateSummary:
+    rate: float  # requests per second offered
+    num_requests: int  # measured: warm-ups excluded
+    num_completed: int
+    num_failed: int  # errors and requests cut off at the end of the run
+    num_warmup: int
+    num_output_tokens: int  # of the completed requests
+    window_s: float  # first measured send to the last measured request's last token
+    ttft: Stats
+    tpot: Stats
+    itl: Stats
+    e2e: Stats
+    request_throughput: float  # completed requests per second of the window
+    output_throughput: float  # output tokens per second of the window
+    slo_attainment: float  # share of measured requests meeting both SLOs; failed ones miss
+    # per request kind (when the workload has several): TTFT and TPOT stats
+    by_kind: dict[str, dict[str, Stats]] = field(default_factory=dict)
+
+
+def summarize(rate: float, results: Sequence[RequestResult], slo: SLO) -> RateSummary:
+    measured = [r for r in results if not r.warmup]
+    done = [r for r in measured if r.ok]
+    tokens = sum(r.output_tokens for r in done)
+    window = 0.0
+    if done:
+        window = max(r.sent_at + r.e2e for r in done) - min(r.sent_at for r in measured)
+    kinds = sorted({r.kind for r in measured})
+    return RateSummary(
+        rate=rate,
+        num_requests=len(measured),
+        num_completed=len(done),
+        num_failed=len(measured) - len(done),
+        num_warmup=len(results) - len(measured),
+        num_output_tokens=tokens,
+        window_s=window,
+        ttft=Stats.of(r.ttft for r in done),
+        tpot=_tpot(done),
+        itl=Stats.of(gap for r in done for gap in r.itls),
+        e2e=Stats.of(r.e2e for r in done),
+        request_throughput=len(done) / window if window else 0.0,
+        output_throughput=tokens / window if window else 0.0,
+        slo_attainment=sum(slo.met_by(r) for r in measured) / len(measured) if measured else 0.0,
+        by_kind={}
+        if len(kinds) < 2
+        else {
+            kind: {
+                "ttft": Stats.of(r.ttft for r in done if r.kind == kind),
+                "tpot": _tpot(r for r in done if r.kind == kind),
+            }
+            for kind in kinds
+        },
+    )
+
+
+def _tpot(results: Iterable[RequestResult]) -> Stats:
+    return Stats.of(r.tpot for r in results if r.tpot is not None)
+
+
+def goodput(summaries: Iterable[RateSummary], goal: float = SLO_ATTAINMENT_GOAL) -> float:
+    """The highest swept rate up to which every swept rate meets the attainment goal.
+
+    0 when even the lowest rate misses it. Requiring every lower rate too keeps one lucky
+    high rate after a miss (noise) from counting.
+    """
+    best = 0.0
+    for summary in sorted(summaries, key=lambda s: s.rate):
+        if summary.slo_attainment < goal:
+            break
+        best = summary.rate
+    return best

@@ -1,0 +1,250 @@
+"""A whole benchmark's results: the JSON file (every request, raw) and a Markdown summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.bench.loadgen import RequestResult
+from pdserve.bench.metrics import SLO, SLO_ATTAINMENT_GOAL, RateSummary, Stats, goodput
+from pdserve.bench.workload import Workload
+
+TIME_DECIMALS = 5  # raw times in the JSON, in seconds: 10 µs is finer than any step
+
+
+@dataclass(slots=True)
+class RateRun:
+    rate: float
+    summary: RateSummary
+    results: list[RequestResult]
+
+
+@dataclass(slots=True)
+class ConfigRun:
+    """One configuration measured: a cluster shape started here, or a given router."""
+
+    name: str
+    address: str
+    # one request of each kind sent alone before the sweep: {kind: {"ttft_ms", "tpot_ms"}}
+    solo: dict[str, dict[str, float]] = field(default_factory=dict)
+    runs: list[RateRun] = field(default_factory=list)
+
+    @property
+    def goodput(self) -> float:
+        return goodput(run.summary for run in self.runs)
+
+    def run_at(self, rate: float) -> RateRun | None:
+        return next((run for run in self.runs if run.rate == rate), None)
+
+
+@dataclass(slots=True)
+class BenchResult:
+    command: str
+    model: str
+    workload: Workload
+    rates: list[float]
+    duration_s: float
+    drain_s: float
+    num_warmup: int
+    seed: int
+    slo: SLO
+    machine: dict[str, object]
+    configs: list[ConfigRun] = field(default_factory=list)
+
+
+def to_json(result: BenchResult) -> dict:
+    return {
+        "command": result.command,
+        "model": result.model,
+        "workload": {"name": result.workload.name, "kinds": result.workload.describe()},
+        "rates": result.rates,
+        "duration_s": result.duration_s,
+        "drain_s": result.drain_s,
+        "num_warmup": result.num_warmup,
+        "seed": result.seed,
+        "slo": {**dataclasses.asdict(result.slo), "attainment_goal": SLO_ATTAINMENT_GOAL},
+        "machine": result.machine,
+        "configs": [
+            {
+                "name": config.name,
+                "address": config.address,
+                "goodput_rps": config.goodput,
+                "solo": config.solo,
+                "runs": [
+                    {
+                        "rate": run.rate,
+                        "summary": _finite(dataclasses.asdict(run.summary)),
+                        "requests": [_request_json(r) for r in run.results],
+                    }
+                    for run in config.runs
+                ],
+            }
+            for config in result.configs
+        ],
+    }
+
+
+def _request_json(result: RequestResult) -> dict:
+    raw = dataclasses.asdict(result)
+    raw["sent_at"] = round(result.sent_at, TIME_DECIMALS)
+    raw["token_times"] = [round(t, TIME_DECIMALS) for t in result.token_times]
+    return raw
+
+
+def _finite(value):
+    """nan (statistics of nothing) as null, so the file is strict JSON."""
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    return value
+
+
+def write_json(result: BenchResult, path: Path) -> None:
+    path.write_text(json.dumps(to_json(result), indent=1, allow_nan=False) + "\n")
+
+
+# -- Markdown --------------------------------------------------------------------------------
+
+
+def markdown(result: BenchResult, figures: list[str]) -> str:
+    slo = result.slo
+    lines = [
+        f"# pdserve bench: `{result.workload.name}` workload",
+        "",
+        f"`{result.command}`",
+        "",
+        f"Model `{result.model}`; Poisson arrivals, seed {result.seed}; per rate "
+        f"{result.num_warmup} warm-up requests, then {result.duration_s:g} s of measured "
+        f"arrivals; requests unfinished {result.drain_s:g} s after the last send count as "
+        f"failed. SLOs: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms; goodput "
+        f"is the highest swept rate up to which >= {SLO_ATTAINMENT_GOAL:.0%} of requests meet "
+        "both. Latencies in ms.",
+        "",
+        _table(
+            ["kind", "share", "prompt tokens", "output tokens"],
+            [
+                [k["name"], f"{k['share']:g}", k["prompt_len"], k["output_len"]]
+                for k in result.workload.describe()
+            ],
+        ),
+        "",
+    ]
+    if len(result.configs) > 1:
+        lines += ["## Side by side", "", *compare_tables(result), ""]
+    for config in result.configs:
+        lines += [f"## {config.name}", "", *config_tables(config), ""]
+    lines += [f"![{name}]({name})" for name in figures]
+    return "\n".join(lines) + "\n"
+
+
+def config_tables(config: ConfigRun) -> list[str]:
+    solo = ", ".join(
+        f"{kind}: TTFT {v['ttft_ms']:.0f}, TPOT {v['tpot_ms']:.1f}"
+        for kind, v in config.solo.items()
+    )
+    rows = [
+        [
+            f"{run.rate:g}",
+            f"{s.num_requests} (+{s.num_warmup})",
+            str(s.num_completed),
+            str(s.num_failed),
+            _pcts(s.ttft),
+            _pcts(s.tpot),
+            _ms(s.itl.p99),
+            f"{s.request_throughput:.2f}",
+            f"{s.output_throughput:.1f}",
+            f"{s.slo_attainment:.0%}",
+        ]
+        for run in config.runs
+        for s in [run.summary]
+    ]
+    lines = [
+        f"Router {config.address}. Alone: {solo or 'not measured'}.",
+        "",
+        _table(
+            [
+                "req/s",
+                "sent (+warm-up)",
+                "done",
+                "failed",
+                "TTFT p50/p90/p99",
+                "TPOT p50/p90/p99",
+                "ITL p99",
+                "done/s",
+                "tok/s",
+                "SLO met",
+            ],
+            rows,
+        ),
+    ]
+    kind_rows = [
+        [f"{run.rate:g}", kind, _pcts(stats["ttft"]), _pcts(stats["tpot"])]
+        for run in config.runs
+        for kind, stats in run.summary.by_kind.items()
+    ]
+    if kind_rows:
+        lines += ["", _table(["req/s", "kind", "TTFT p50/p90/p99", "TPOT p50/p90/p99"], kind_rows)]
+    return lines + ["", f"Goodput: **{config.goodput:g} req/s**."]
+
+
+def compare_tables(result: BenchResult) -> list[str]:
+    """Each configuration against the first one listed (the baseline), rate by rate."""
+    base, others = result.configs[0], result.configs[1:]
+    header = [
+        "req/s",
+        "metric",
+        base.name,
+        *(c.name for c in others),
+        *(f"{c.name} / {base.name}" for c in others),
+    ]
+    metrics = [
+        ("TTFT p90", lambda s: s.ttft.p90),
+        ("TPOT p90", lambda s: s.tpot.p90),
+        ("TPOT p99", lambda s: s.tpot.p99),
+        ("ITL p99", lambda s: s.itl.p99),
+        ("SLO met", lambda s: s.slo_attainment),
+    ]
+    rows = []
+    for rate in result.rates:
+        runs = [c.run_at(rate) for c in result.configs]
+        if any(run is None for run in runs):
+            continue
+        for name, value in metrics:
+            values = [value(run.summary) for run in runs]
+            shown = [f"{v:.0%}" if name == "SLO met" else _ms(v) for v in values]
+            rows.append([f"{rate:g}", name, *shown, *(_ratio(v, values[0]) for v in values[1:])])
+    goodputs = [c.goodput for c in result.configs]
+    rows.append(
+        [
+            "",
+            "goodput (req/s)",
+            *(f"{g:g}" for g in goodputs),
+            *(_ratio(g, goodputs[0]) for g in goodputs[1:]),
+        ]
+    )
+    return [_table(header, rows)]
+
+
+def _pcts(stats: Stats) -> str:
+    return "/".join(_ms(v) for v in (stats.p50, stats.p90, stats.p99))
+
+
+def _ms(value: float) -> str:
+    if math.isnan(value):
+        return "-"
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def _ratio(value: float, base: float) -> str:
+    if math.isnan(value) or math.isnan(base) or base == 0:
+        return "-"
+    return f"{value / base:.2f}x"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])

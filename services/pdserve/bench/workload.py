@@ -1,0 +1,193 @@
+"""What a benchmark run sends: request kinds, their length distributions, Poisson arrivals.
+
+A plan is a pure function of (workload, rate, duration, warm-up count, seed): every
+configuration compared sees the same requests at the same times. The arrival gaps are
+unit-rate exponential draws divided by the rate, so the rates of a sweep share one
+arrival pattern, stretched or squeezed, and one sequence of request kinds and lengths.
+The prompt ids differ from rate to rate (and from any other seed's): a prefix cache must
+not turn one run's prefills into hits on the run before.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+# Prompt ids are random tokens past <unk>, <s>, </s>, inside every demo vocabulary.
+FIRST_PROMPT_ID, PROMPT_ID_LIMIT = 3, 1000
+_PROMPT_IDS = range(FIRST_PROMPT_ID, PROMPT_ID_LIMIT)
+
+
+@dataclass(frozen=True, slots=True)
+class Fixed:
+    n: int
+
+    def sample(self, rng: random.Random) -> int:
+        return self.n
+
+    def __str__(self) -> str:
+        return f"fixed:{self.n}"
+
+
+@dataclass(frozen=True, slots=True)
+class Uniform:
+    low: int
+    high: int  # inclusive
+
+    def sample(self, rng: random.Random) -> int:
+        return rng.randint(self.low, self.high)
+
+    def __str__(self) -> str:
+        return f"uniform:{self.low}:{self.high}"
+
+
+@dataclass(frozen=True, slots=True)
+class LogNormal:
+    """Long-tailed, like ShareGPT's lengths: exp(N(ln median, sigma)), clipped to [low, high]."""
+
+    median: float
+    sigma: float
+    low: int
+    high: int
+
+    def sample(self, rng: random.Random) -> int:
+        n = round(rng.lognormvariate(math.log(self.median), self.sigma))
+        return min(max(n, self.low), self.high)
+
+    def __str__(self) -> str:
+        return f"lognormal:{self.median:g}:{self.sigma:g}:{self.low}:{self.high}"
+
+
+LengthDist = Fixed | Uniform | LogNormal
+_LENGTH_KINDS = {"fixed": (Fixed, 1), "uniform": (Uniform, 2), "lognormal": (LogNormal, 4)}
+
+
+def parse_length(text: str) -> LengthDist:
+    """`fixed:N`, `uniform:LOW:HIGH` or `lognormal:MEDIAN:SIGMA:LOW:HIGH` (lengths >= 1)."""
+    kind, *fields = text.split(":")
+    if kind not in _LENGTH_KINDS or len(fields) != _LENGTH_KINDS[kind][1]:
+        raise ValueError(
+            f"bad length {text!r}: use fixed:N, uniform:LOW:HIGH or lognormal:MEDIAN:SIGMA:LOW:HIGH"
+        )
+    try:
+        numbers = [
+            float(f) if kind == "lognormal" and i < 2 else int(f) for i, f in enumerate(fields)
+        ]
+    except ValueError as exc:
+        raise ValueError(f"bad length {text!r}: {exc}") from exc
+    dist = _LENGTH_KINDS[kind][0](*numbers)
+    low, high = (dist.n, dist.n) if kind == "fixed" else (dist.low, dist.high)
+    if not 1 <= low <= high:
+        raise ValueError(f"bad length {text!r}: lengths must satisfy 1 <= low <= high")
+    return dist
+
+
+@dataclass(frozen=True, slots=True)
+class RequestKind:
+    """One kind of request in a workload: its share of arrivals and its lengths."""
+
+    name: str
+    share: float
+    prompt_len: LengthDist
+    output_len: LengthDist  # exact: requests ignore EOS and stop at max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    kinds: tuple[RequestKind, ...]
+
+    def __post_init__(self) -> None:
+        if not self.kinds or any(k.share <= 0 for k in self.kinds):
+            raise ValueError("a workload needs request kinds with positive shares")
+
+    def pick(self, rng: random.Random) -> RequestKind:
+        return rng.choices(self.kinds, weights=[k.share for k in self.kinds])[0]
+
+    def describe(self) -> list[dict]:
+        return [
+            {
+                "name": k.name,
+                "share": k.share,
+                "prompt_len": str(k.prompt_len),
+                "output_len": str(k.output_len),
+            }
+            for k in self.kinds
+        ]
+
+
+# The headline: steady decode-heavy chat turns with long documents arriving among them. On
+# a shared engine each long prefill stalls every running decode; on split pools it cannot.
+MIXED = Workload(
+    "mixed",
+    (
+        RequestKind("decode-heavy", 0.8, Uniform(16, 64), Fixed(128)),
+        RequestKind("long-prompt", 0.2, Uniform(768, 1536), Fixed(16)),
+    ),
+)
+# Short prompts only: no prefill worth splitting off, so the hand-off is pure overhead.
+SHORT = Workload("short", (RequestKind("short", 1.0, Uniform(16, 64), Fixed(64)),))
+# A synthetic ShareGPT-like mix: long-tailed prompts and answers (medians 100 and 200).
+SHAREGPT = Workload(
+    "sharegpt",
+    (RequestKind("chat", 1.0, LogNormal(100, 1.0, 4, 2048), LogNormal(200, 0.9, 4, 1024)),),
+)
+WORKLOADS = {w.name: w for w in (MIXED, SHORT, SHAREGPT)}
+
+
+def custom_workload(prompt_len: str, output_len: str) -> Workload:
+    """A one-kind workload from two length specs (see `parse_length`)."""
+    kind = RequestKind("custom", 1.0, parse_length(prompt_len), parse_length(output_len))
+    return Workload("custom", (kind,))
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedRequest:
+    index: int
+    kind: str
+    send_at: float  # seconds after the run starts
+    prompt_token_ids: list[int]
+    max_tokens: int
+    warmup: bool  # sent like the others, left out of the statistics
+
+
+def plan(
+    workload: Workload, rate: float, duration_s: float, num_warmup: int, seed: int
+) -> list[PlannedRequest]:
+    """Poisson arrivals at `rate` per second: `num_warmup` requests, then `duration_s` of them.
+
+    The measured window opens with the first request after the warm-up ones.
+    """
+    if rate <= 0 or duration_s <= 0 or num_warmup < 0:
+        raise ValueError("rate and duration must be > 0 and the warm-up count >= 0")
+    arrivals = random.Random(f"{seed}/arrivals")
+    lengths = random.Random(f"{seed}/lengths")
+    prompt_ids = random.Random(f"{seed}/prompts/{rate!r}")
+    planned: list[PlannedRequest] = []
+    unit_time, window_start = 0.0, None
+    while True:
+        send_at = unit_time / rate
+        warmup = len(planned) < num_warmup
+        if not warmup:
+            window_start = send_at if window_start is None else window_start
+            if send_at - window_start >= duration_s:
+                return planned
+        kind = workload.pick(lengths)
+        planned.append(sample_request(kind, lengths, prompt_ids, len(planned), send_at, warmup))
+        unit_time += arrivals.expovariate(1.0)
+
+
+def sample_request(
+    kind: RequestKind,
+    lengths: random.Random,
+    prompt_ids: random.Random,
+    index: int = 0,
+    send_at: float = 0.0,
+    warmup: bool = False,
+) -> PlannedRequest:
+    """One request of `kind`: lengths from its distributions (drawn from `lengths`), prompt
+    ids uniformly random (from `prompt_ids`)."""
+    prompt_len, max_tokens = kind.prompt_len.sample(lengths), kind.output_len.sample(lengths)
+    prompt = prompt_ids.choices(_PROMPT_IDS, k=prompt_len)
+    return PlannedRequest(index, kind.name, send_at, prompt, max_tokens, warmup)
