@@ -25,7 +25,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pdserve.bench.loadgen import run_plan
 from pdserve.bench.metrics import MS, SLO, summarize
 from pdserve.bench.plots import plot_cdfs, plot_latency_vs_rate, plot_timeline
-from pdserve.bench.report import BenchResult, ConfigRun, RateRun, markdown, write_json
+from pdserve.bench.report import (
+    BenchResult,
+    ConfigRun,
+    RateRun,
+    markdown,
+    solo_text,
+    write_json,
+)
 from pdserve.bench.workload import WORKLOADS, Workload, custom_workload, plan, sample_request
 from pdserve.client import AsyncClient, PdserveError
 from pdserve.cluster.local import ClusterShape, LocalCluster
@@ -243,7 +250,7 @@ async def _measure(
     configs = [ConfigRun(t.name, t.address) for t in targets]
     for c in configs:
         c.solo = await _solo(c.address, config)
-        console.print(f"{c.name} alone: {c.solo}")
+        console.print(f"{c.name} alone: {solo_text(c.solo)}")
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),

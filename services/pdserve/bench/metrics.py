@@ -41,13 +41,14 @@ class Stats:
     p50: float
     p90: float
     p99: float
+    max: float
 
     @classmethod
     def of(cls, values: Iterable[float], scale: float = MS) -> Stats:
         """Stats of `values` times `scale` (seconds to milliseconds by default)."""
         scaled = [v * scale for v in values]
         mean = sum(scaled) / len(scaled) if scaled else math.nan
-        return cls(len(scaled), mean, *(percentile(scaled, q) for q in (50, 90, 99)))
+        return cls(len(scaled), mean, *(percentile(scaled, q) for q in (50, 90, 99, 100)))
 
 
 @dataclass(frozen=True, slots=True)

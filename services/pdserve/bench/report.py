@@ -124,6 +124,8 @@ def markdown(result: BenchResult, figures: list[str]) -> str:
         f"is the highest swept rate up to which >= {SLO_ATTAINMENT_GOAL:.0%} of requests meet "
         "both. Latencies in ms.",
         "",
+        _machine_text(result.machine),
+        "",
         _table(
             ["kind", "share", "prompt tokens", "output tokens"],
             [
@@ -141,11 +143,26 @@ def markdown(result: BenchResult, figures: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def config_tables(config: ConfigRun) -> list[str]:
-    solo = ", ".join(
-        f"{kind}: TTFT {v['ttft_ms']:.0f}, TPOT {v['tpot_ms']:.1f}"
-        for kind, v in config.solo.items()
+def _machine_text(machine: dict) -> str:
+    """Other load on the machine, so a reader can tell a quiet run from a disturbed one."""
+    before, after = machine.get("load_avg_before"), machine.get("load_avg_after")
+    load = ""
+    if before and after:
+        load = f"; 1-minute load average {before[0]:.1f} before, {after[0]:.1f} after"
+    return (
+        f"Machine: {machine.get('cpus')} CPUs, {machine.get('threads')} torch thread(s) "
+        f"per worker{load}."
     )
+
+
+def solo_text(solo: dict[str, dict[str, float]]) -> str:
+    return "; ".join(
+        f"{kind}: TTFT {v['ttft_ms']:.0f} ms, TPOT {v['tpot_ms']:.1f} ms"
+        for kind, v in solo.items()
+    )
+
+
+def config_tables(config: ConfigRun) -> list[str]:
     rows = [
         [
             f"{run.rate:g}",
@@ -154,7 +171,7 @@ def config_tables(config: ConfigRun) -> list[str]:
             str(s.num_failed),
             _pcts(s.ttft),
             _pcts(s.tpot),
-            _ms(s.itl.p99),
+            f"{_ms(s.itl.p99)}/{_ms(s.itl.max)}",
             f"{s.request_throughput:.2f}",
             f"{s.output_throughput:.1f}",
             f"{s.slo_attainment:.0%}",
@@ -163,7 +180,7 @@ def config_tables(config: ConfigRun) -> list[str]:
         for s in [run.summary]
     ]
     lines = [
-        f"Router {config.address}. Alone: {solo or 'not measured'}.",
+        f"Router {config.address}. Alone: {solo_text(config.solo) or 'not measured'}.",
         "",
         _table(
             [
@@ -173,7 +190,7 @@ def config_tables(config: ConfigRun) -> list[str]:
                 "failed",
                 "TTFT p50/p90/p99",
                 "TPOT p50/p90/p99",
-                "ITL p99",
+                "ITL p99/max",
                 "done/s",
                 "tok/s",
                 "SLO met",
@@ -206,6 +223,7 @@ def compare_tables(result: BenchResult) -> list[str]:
         ("TPOT p90", lambda s: s.tpot.p90),
         ("TPOT p99", lambda s: s.tpot.p99),
         ("ITL p99", lambda s: s.itl.p99),
+        ("ITL max", lambda s: s.itl.max),
         ("SLO met", lambda s: s.slo_attainment),
     ]
     rows = []

@@ -8,15 +8,17 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling_params import SamplingParams
 
 
-def check_prompt_token_ids(prompt: Sequence[int], vocab_size: int) -> list[int]:
-    """The ids as a list, or InvalidRequestError naming the first bad one."""
+def check_prompt_token_ids(
+    prompt: Sequence[int], vocab_size: int, field: str = "prompt_token_ids"
+) -> list[int]:
+    """The ids as a list, or InvalidRequestError naming the first bad one (`field[i]`)."""
     ids = list(prompt)
     if not ids:
-        raise InvalidRequestError("prompt_token_ids", "must not be empty")
+        raise InvalidRequestError(field, "must not be empty")
     for i, token in enumerate(ids):
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
             raise InvalidRequestError(
-                f"prompt_token_ids[{i}]", f"{token!r} is outside the vocabulary [0, {vocab_size})"
+                f"{field}[{i}]", f"{token!r} is outside the vocabulary [0, {vocab_size})"
             )
     return ids
 

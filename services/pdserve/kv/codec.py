@@ -1,12 +1,12 @@
 """KVChunk on the wire without protobuf copying the payload.
 
-A KVChunk is a few header fields and one large ``data`` field. Protobuf copies
-``data`` when a message is built, again when it is serialized, and again when a
-parsed message's field is read. Here the header is still built and parsed by
-protobuf, but ``data`` is written straight after it as field 6 (protobuf accepts
+A KVChunk is a few header fields and one large ``data`` field. Through protobuf the
+payload is copied when the message is built and again when it is serialized, then
+when it is parsed and again when the field is read. Here protobuf still writes and
+parses the header, but ``data`` is appended after it as field 6 (protobuf accepts
 fields in any order, so any KVChunk parser reads these messages) and read back as a
-memoryview into the received buffer. Encoding costs one copy (header and payload
-joined into the bytes gRPC sends); decoding costs none.
+memoryview into the received buffer: one copy to encode (header and payload joined
+into the bytes gRPC sends), none to decode.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import NamedTuple
 from pdserve.api.v1 import kv_transfer_pb2
 from pdserve.engine.kv_cache import KVLayerChunk
 
-try:  # ISA-L's crc32 is zlib's function (same values), about 15x faster on x86-64
+try:  # ISA-L's crc32 is zlib's function (same values), over 10x faster on x86-64
     from isal.isal_zlib import crc32
 except ImportError:
     from zlib import crc32
@@ -51,7 +51,11 @@ def encode_message(
     chunk: KVLayerChunk,
     parts: Sequence[bytes | memoryview] | None = None,
 ) -> bytes:
-    """The KVChunk for ``chunk`` as bytes; ``parts`` (joined) replace ``chunk.data`` if given."""
+    """The KVChunk for ``chunk`` as bytes.
+
+    ``parts``, if given, are the payload in pieces, joined in place of ``chunk.data``
+    (a split chunk's K and V block ranges, copied once, here).
+    """
     parts = (chunk.data,) if parts is None else parts
     header = kv_transfer_pb2.KVChunk(
         lease_id=lease_id, layer=chunk.layer, first_block=first_block, dtype=chunk.dtype,

@@ -47,7 +47,6 @@ MESSAGES_QUEUED_PER_STREAM = 2
 _SERVICE = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"]
 PUSH_KV_METHOD = f"/{_SERVICE.full_name}/PushKV"
 _END = object()  # closes a stream's queue
-_UNBLOCK_ALL = 1 << 20  # semaphore releases that wake any waiting sender
 
 OnChunk = Callable[[str, int, KVLayerChunk], None]
 
@@ -251,7 +250,7 @@ class _Push:
             return await call
         except BaseException:
             self._failed = True
-            self._slots.release(_UNBLOCK_ALL)  # a sender waiting for a slot sees the failure
+            self._slots.release()  # the sender, if it waits for a slot, sees the failure
             raise
 
 

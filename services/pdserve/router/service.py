@@ -248,8 +248,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     @rpc_errors
     async def Detokenize(self, request, context):
-        ids = check_prompt_token_ids(request.token_ids, self.model_config.vocab_size) \
-            if request.token_ids else []  # fmt: skip
+        ids = list(request.token_ids)
+        if ids:
+            check_prompt_token_ids(ids, self.model_config.vocab_size, field="token_ids")
         return router_pb2.DetokenizeResponse(text=self.tokenizer.decode(ids))
 
     @rpc_errors
@@ -268,7 +269,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise InvalidRequestError("prompt.text", "must not be empty")
             return self.tokenizer.encode(request.text)
         if which == "token_ids":
-            return check_prompt_token_ids(request.token_ids.ids, self.model_config.vocab_size)
+            return check_prompt_token_ids(request.token_ids.ids, self.model_config.vocab_size,
+                                          field="prompt.token_ids")  # fmt: skip
         raise InvalidRequestError("prompt", "set prompt.text or prompt.token_ids")
 
 
