@@ -312,3 +312,17 @@ def test_health_serving_then_sigterm_drains_and_exits_cleanly(demo_model_dir, tm
         assert stop(decode.proc) == 0
         with grpc.insecure_channel(decode.address) as ch, pytest.raises(grpc.RpcError):
             health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+
+
+async def test_prefill_prefix_cache_skips_compute_but_ships_every_block(cluster, reference_engine):
+    prefill, (decode, _) = cluster
+    shared = prompts([64], seed=11)[0]
+    first, second = shared + [7, 8, 9], shared + [10, 11, 12, 13]
+    expected = reference_engine.generate([first, second], GREEDY)
+    tokens_a, last_a = await run(prefill, decode, first, GREEDY, "prefix-a")
+    tokens_b, last_b = await run(prefill, decode, second, GREEDY, "prefix-b")
+    assert [tokens_a, tokens_b] == [e.token_ids for e in expected]
+    # The second prompt's 4 shared full blocks came from the prefill worker's cache,
+    # yet the decode worker (which had none of them) continued it correctly.
+    assert last_b.usage.cached_prompt_tokens == 64
+    assert_idle(decode)
