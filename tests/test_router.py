@@ -70,7 +70,9 @@ async def test_text_and_token_prompts_stream_the_engines_tokens(cluster, engine)
     final = by_text[-1]
     assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (
-        len(expected.prompt_token_ids), 16)
+        len(expected.prompt_token_ids),
+        16,
+    )
     assert final.timings.ttft_ms > 0 and final.timings.total_ms >= final.timings.ttft_ms
     ids = router_pb2.TokenIds(ids=expected.prompt_token_ids)
     by_ids = await generate(router, token_ids=ids, sampling=sampling, stream=False)
@@ -105,7 +107,8 @@ async def test_resume_through_another_router_equals_the_uninterrupted_stream(clu
         assert text_before + "".join(m.text for m in tail) == "".join(m.text for m in full)
     async with grpc.aio.insecure_channel(router_b) as ch:
         info = await router_pb2_grpc.RouterStub(ch).GetRequest(
-            router_pb2.GetRequestRequest(request_id="resume-1"))
+            router_pb2.GetRequestRequest(request_id="resume-1")
+        )
     assert info.status == "finished" and info.usage.completion_tokens == 16
 
 
