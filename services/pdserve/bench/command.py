@@ -78,16 +78,18 @@ class BenchConfig:
         timeline_rate = rates[len(rates) // 2] if args.timeline_rate is None else args.timeline_rate
         if timeline_rate not in rates:
             raise ValueError(f"--timeline-rate {timeline_rate:g} is not one of the rates")
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
         return cls(
-            workload,
-            rates,
-            args.duration,
-            args.drain,
-            args.warmup,
-            args.seed,
-            SLO(args.ttft_slo_ms, args.tpot_slo_ms),
-            [ClusterShape.parse(s) for s in args.compare or []],
-            timeline_rate,
+            workload=workload,
+            rates=rates,
+            duration_s=args.duration,
+            drain_s=args.drain,
+            num_warmup=args.warmup,
+            seed=args.seed,
+            slo=SLO(args.ttft_slo_ms, args.tpot_slo_ms),
+            shapes=[ClusterShape.parse(s) for s in args.compare or []],
+            timeline_rate=timeline_rate,
         )
 
 
@@ -163,34 +165,39 @@ def run(args: argparse.Namespace) -> int:
         return fail("bench", exc)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    load_before = os.getloadavg()
+    model = args.model
+    if config.shapes and model is None:
+        from pdserve.commands.up import _ensure_demo_model
+
+        model = str(_ensure_demo_model(console))
+    machine = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "threads": args.threads,
+        "started_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "load_avg_before": os.getloadavg(),
+    }
     try:
         with contextlib.ExitStack() as stack:
-            targets = _start_targets(args, config.shapes, out, stack, console)
+            targets = _start_targets(args, model, config.shapes, out, stack, console)
             model, configs = asyncio.run(_measure(config, targets, console))
     except (RuntimeError, OSError, PdserveError) as exc:
         return fail("bench", exc)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
-    machine = {
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "threads": args.threads,
-        "load_avg_before": load_before,
-        "load_avg_after": os.getloadavg(),
-    }
+    machine["load_avg_after"] = os.getloadavg()
     result = BenchResult(
-        _command_line(args),
-        model,
-        config.workload,
-        config.rates,
-        config.duration_s,
-        config.drain_s,
-        config.num_warmup,
-        config.seed,
-        config.slo,
-        machine,
-        configs,
+        command=_command_line(args, model),
+        model=model,
+        workload=config.workload,
+        rates=config.rates,
+        duration_s=config.duration_s,
+        drain_s=config.drain_s,
+        num_warmup=config.num_warmup,
+        seed=config.seed,
+        slo=config.slo,
+        machine=machine,
+        configs=configs,
     )
     paths = write_outputs(result, out, config.timeline_rate)
     print(paths[1].read_text())
@@ -213,15 +220,17 @@ def write_outputs(result: BenchResult, out: Path, timeline_rate: float) -> list[
 
 
 def _start_targets(
-    args, shapes: list[ClusterShape], out: Path, stack: contextlib.ExitStack, console: Console
+    args: argparse.Namespace,
+    model: str,
+    shapes: list[ClusterShape],
+    out: Path,
+    stack: contextlib.ExitStack,
+    console: Console,
 ) -> list[Target]:
     """The router given, or a started local cluster per shape (stopped with `stack`)."""
     if not shapes:
         address = router_address(args.router)
         return [Target(address, address)]
-    from pdserve.commands.up import _ensure_demo_model
-
-    model = args.model or str(_ensure_demo_model(console))
     targets = []
     for shape in shapes:
         router_args = ["--colocate-below", str(COLOCATE_EVERY_PROMPT)] if not shape.prefill else []
@@ -288,11 +297,11 @@ async def _solo(address: str, config: BenchConfig) -> dict[str, dict[str, float]
     return solo
 
 
-def _command_line(args: argparse.Namespace) -> str:
+def _command_line(args: argparse.Namespace, model: str) -> str:
     """The flags that decide the results, as a command to run again."""
     words = ["pdserve", "bench"]
     if args.compare:
-        words += ["--compare", *args.compare, "--model", args.model or "(tiny demo)"]
+        words += ["--compare", *args.compare, "--model", model]
         words += ["--threads", str(args.threads)] if args.threads != 1 else []
         words += [f"--worker-arg={a}" for a in args.worker_arg]
     else:
@@ -301,20 +310,14 @@ def _command_line(args: argparse.Namespace) -> str:
         words += ["--prompt-len", args.prompt_len, "--output-len", args.output_len]
     else:
         words += ["--workload", args.workload]
-    words += [
-        "--rates",
-        args.rates,
-        "--duration",
-        f"{args.duration:g}",
-        "--warmup",
-        str(args.warmup),
-        "--drain",
-        f"{args.drain:g}",
-        "--seed",
-        str(args.seed),
-        "--ttft-slo-ms",
-        f"{args.ttft_slo_ms:g}",
-        "--tpot-slo-ms",
-        f"{args.tpot_slo_ms:g}",
-    ]
-    return shlex.join(words) + f"  # {time.strftime('%Y-%m-%d %H:%M')}"
+    for flag, value in (
+        ("--rates", args.rates),
+        ("--duration", args.duration),
+        ("--warmup", args.warmup),
+        ("--drain", args.drain),
+        ("--seed", args.seed),
+        ("--ttft-slo-ms", args.ttft_slo_ms),
+        ("--tpot-slo-ms", args.tpot_slo_ms),
+    ):
+        words += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    return shlex.join(words)

@@ -23,9 +23,9 @@ from pdserve.router.discovery import KubernetesDiscovery, RedisDiscovery, Static
 from pdserve.router.policy import ColocationRule, MostFreeDecode, make_prefill_policy
 from pdserve.router.runner import ChannelPool, RequestRunner, RunnerConfig
 from pdserve.router.service import RouterServicer
+from pdserve.serving import KEEPALIVE_OPTIONS, announce_ready, stop_on_signals
 from pdserve.state.registry import WorkerRegistry
 from pdserve.state.requests import RequestStore
-from pdserve.worker.server import KEEPALIVE_OPTIONS, READY_LINE, _on_signals
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
@@ -96,11 +96,11 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     servicer = RouterServicer(
         model_dir=config.model, tokenizer=tokenizer, model_config=model_config,
         fingerprint=fingerprint, max_model_len=model_config.max_position_embeddings,
-        runner=runner, store=store, discovery=discovery, cancel_bus=None,
+        runner=runner, store=store, discovery=discovery,
+        cancel_bus=CancelBus(config.redis_url),
         router_id=config.router_id, max_inflight=config.max_inflight,
     )  # fmt: skip
-    servicer.cancel_bus = CancelBus(config.redis_url, servicer.cancel_local)
-    await servicer.cancel_bus.start()
+    await servicer.cancel_bus.start(servicer.cancel_local)
 
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -116,9 +116,8 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    _on_signals(stop)
-    print(f"{READY_LINE} role=router address={config.host}:{port} id={config.router_id}",
-          flush=True)  # fmt: skip
+    stop_on_signals(stop)
+    announce_ready(role="router", address=f"{config.host}:{port}", id=config.router_id)
     await stop.wait()
 
     for name in ("", SERVICE_NAME):

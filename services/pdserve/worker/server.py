@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 
 import grpc
@@ -22,33 +21,19 @@ from pdserve.api.v1 import (
 from pdserve.engine.fingerprint import model_fingerprint
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transfer import add_kv_transfer_servicer, channel_options, keep_freed_memory
+from pdserve.serving import KEEPALIVE_OPTIONS, announce_ready, stop_on_signals
 from pdserve.state.registry import WorkerRegistry, heartbeat
 from pdserve.worker.decode import DecodeServicer, KVTransferServicer
 from pdserve.worker.prefill import PrefillServicer
 from pdserve.worker.worker import Worker, WorkerConfig
 
 log = logging.getLogger(__name__)
-# Printed (with the bound address) once the worker serves; process managers and
-# tests wait for it rather than polling.
-READY_LINE = "PDSERVE_READY"
-
 _SERVICES = {
     "prefill": [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"]],
     "decode": [decode_pb2.DESCRIPTOR.services_by_name["Decode"],
                kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"]],
 }  # fmt: skip
 _SERVICES["both"] = _SERVICES["prefill"] + _SERVICES["decode"]
-
-
-# Keepalive: ping idle connections so a dead peer (a killed worker, a cut link) is
-# noticed in seconds rather than at the TCP timeout; accept clients' pings as often.
-KEEPALIVE_OPTIONS = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_ping_strikes", 0),
-]
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -96,15 +81,15 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
         prefill_pb2_grpc.add_PrefillServicer_to_server(prefill, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()  # health answers NOT_SERVING while the model loads
-    _on_signals(stop)
+    stop_on_signals(stop)
     engine, fingerprint = await asyncio.to_thread(_load_engine, config)
     worker.attach(engine, fingerprint)
     if decode is not None:
         decode.start()
     await _set_health(health_servicer, names, health_pb2.HealthCheckResponse.SERVING)
     heartbeats = _start_heartbeats(worker, port)
-    print(f"{READY_LINE} role={config.role} address={config.host}:{port} "
-          f"blocks={engine.block_manager.num_blocks}", flush=True)  # fmt: skip
+    announce_ready(role=config.role, address=f"{config.host}:{port}",
+                   blocks=engine.block_manager.num_blocks)  # fmt: skip
     await stop.wait()
 
     log.info("draining: no new requests; finishing the running ones")
@@ -134,15 +119,6 @@ def _start_heartbeats(worker: Worker, port: int):
 async def _set_health(servicer, names, status) -> None:
     for name in ["", *names]:
         await servicer.set(name, status)
-
-
-def _on_signals(stop: asyncio.Event) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
-            pass
 
 
 def main(config: WorkerConfig) -> int:
