@@ -21,6 +21,7 @@ UNK_TOKEN, BOS_TOKEN, EOS_TOKEN = "<unk>", "<s>", "</s>"
 SPECIAL_TOKENS = [UNK_TOKEN, BOS_TOKEN, EOS_TOKEN]  # ids 0, 1, 2, as in Llama 2
 BOS_TOKEN_ID, EOS_TOKEN_ID = SPECIAL_TOKENS.index(BOS_TOKEN), SPECIAL_TOKENS.index(EOS_TOKEN)
 
+LOGIT_STD = 4.0
 WEIGHT_STD = 0.02  # the usual initializer_range of Llama configs
 MAX_POSITION_EMBEDDINGS = 4096
 # Model vocabularies are padded to a multiple of this, as real checkpoints pad theirs.
@@ -143,14 +144,22 @@ def num_parameters(config: dict) -> int:
 
 
 def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
-    """Normal(0, WEIGHT_STD) matrices and all-ones norms, drawn in parameter_shapes order."""
+    """Normal(0, WEIGHT_STD) matrices and all-ones norms, drawn in parameter_shapes order.
+
+    The output head is drawn wider (logits of standard deviation about LOGIT_STD): with
+    WEIGHT_STD there, the next-token distribution is nearly flat, near-ties between the
+    top two tokens are common, and the last-bit differences between a batched and a
+    single-request matmul flip greedy picks. Real models are peaked; so is this one.
+    """
     generator = torch.Generator().manual_seed(seed)
+    head_std = LOGIT_STD / config["hidden_size"] ** 0.5
     weights = {}
     for name, shape in parameter_shapes(config).items():
         if name.endswith("norm.weight"):
             weights[name] = torch.ones(shape)
         else:
-            weights[name] = torch.empty(shape).normal_(0.0, WEIGHT_STD, generator=generator)
+            std = head_std if name == "lm_head.weight" else WEIGHT_STD
+            weights[name] = torch.empty(shape).normal_(0.0, std, generator=generator)
     return weights
 
 
