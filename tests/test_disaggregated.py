@@ -309,6 +309,16 @@ def test_health_serving_then_sigterm_drains_and_exits_cleanly(demo_model_dir, tm
             for service in ("", "pdserve.v1.Decode", "pdserve.v1.KVTransfer"):
                 response = check(health_pb2.HealthCheckRequest(service=service), timeout=5)
                 assert response.status == health_pb2.HealthCheckResponse.SERVING
+            from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+                ProtoReflectionDescriptorDatabase,
+            )
+
+            services = set(ProtoReflectionDescriptorDatabase(ch).get_services())
+            assert {
+                "pdserve.v1.Decode",
+                "pdserve.v1.KVTransfer",
+                "grpc.health.v1.Health",
+            } <= services
         assert stop(decode.proc) == 0
         with grpc.insecure_channel(decode.address) as ch, pytest.raises(grpc.RpcError):
             health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
