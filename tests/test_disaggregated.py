@@ -286,12 +286,11 @@ def test_model_mismatch_is_refused_at_handshake(demo_model_dir, cluster, tmp_pat
     other_model = write_demo_model(tmp_path / "other", size="tiny", seed=1)
     with worker_process("decode", other_model, log_dir=tmp_path) as other:
         lease = admit(other, [5, 6, 7])
-        with grpc.insecure_channel(prefill.address) as ch:
-            with pytest.raises(grpc.RpcError) as err:
-                prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
-                    prompt_token_ids=[5, 6, 7], sampling=sampling_params_to_proto(GREEDY),
-                    target=prefill_pb2.KVTarget(address=other.address, lease_id=lease.lease_id),
-                ), timeout=20)  # fmt: skip
+        with grpc.insecure_channel(prefill.address) as ch, pytest.raises(grpc.RpcError) as err:
+            prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
+                prompt_token_ids=[5, 6, 7], sampling=sampling_params_to_proto(GREEDY),
+                target=prefill_pb2.KVTarget(address=other.address, lease_id=lease.lease_id),
+            ), timeout=20)  # fmt: skip
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "model_fingerprint" in err.value.details()
         assert not release(other, lease.lease_id)  # the prefill worker gave it back already
