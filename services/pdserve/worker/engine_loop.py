@@ -40,8 +40,7 @@ class KVExport:
     request_id: str
     # (first block index, one layer's chunk), then EXPORT_DONE; or an exception
     chunks: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    # Blocks [0, num_full_blocks_sent) went out complete; a chunked prefill resends
-    # only the partial block at a chunk boundary.
+    # Blocks [0, num_full_blocks_sent) went out, each once and complete.
     num_full_blocks_sent: int = 0
 
 
@@ -120,19 +119,27 @@ class EngineLoop:
                 return
 
     def _export_layer(self, layer: int, plan: SchedulerOutput) -> None:
+        """Ship this step's newly complete blocks of `layer` for each exporting request.
+
+        Each block goes out once: a block a prefill chunk leaves partly filled waits for
+        the step that completes it (or for the prompt's end). Sending it twice could let
+        the older, partial copy arrive last on another stream and overwrite the full one.
+        """
         block_size = self.engine.config.block_size
+        last_layer = layer == self.engine.model_config.num_layers - 1
         for s in plan.scheduled:
             export = self._exports.get(s.request.request_id)
             if export is None:
                 continue
-            first = min(export.num_full_blocks_sent, s.start // block_size)
-            last = -(-s.end // block_size)
-            chunk: KVLayerChunk = self.engine.kv_cache.export_layer(
-                layer, s.request.block_ids[first:last]
-            )
-            export.chunks.put((first, chunk))
-            if layer == self.engine.model_config.num_layers - 1:
-                export.num_full_blocks_sent = s.end // block_size
+            first = export.num_full_blocks_sent  # cached prefix blocks ship on the first step
+            last = -(-s.end // block_size) if s.produces_token else s.end // block_size
+            if last > first:
+                chunk: KVLayerChunk = self.engine.kv_cache.export_layer(
+                    layer, s.request.block_ids[first:last]
+                )
+                export.chunks.put((first, chunk))
+            if last_layer:
+                export.num_full_blocks_sent = max(first, last)
                 if s.produces_token:  # the prompt is complete
                     export.chunks.put(EXPORT_DONE)
                     del self._exports[s.request.request_id]

@@ -1,0 +1,53 @@
+"""The layer-by-layer KV export of the prefill worker's engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.worker.engine_loop import EXPORT_DONE, EngineLoop, KVExport
+
+
+def exported(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list]:
+    """Run prompts as prefill-only requests; each request's exported (layer, blocks)."""
+    loop = EngineLoop(engine, asyncio.new_event_loop())  # its thread is never started
+    exports = {}
+    for i, prompt in enumerate(prompts):
+        request_id = engine.add_request(prompt, SamplingParams(max_tokens=1), f"r{i}")
+        exports[request_id] = KVExport(request_id)
+        loop.add_export(exports[request_id])
+    while engine.has_unfinished_requests():
+        engine.step(loop._export_layer)
+    result = {}
+    for request_id, export in exports.items():
+        items = []
+        while (item := export.chunks.get_nowait()) is not EXPORT_DONE:
+            first, chunk = item
+            items.append((chunk.layer, list(range(first, first + chunk.num_blocks))))
+        result[request_id] = items
+    return result
+
+
+@pytest.mark.parametrize("budget", [24, 2048])
+def test_every_block_of_every_layer_ships_exactly_once(demo_model_dir, budget):
+    # A 24-token step budget splits the prompts into chunks that end mid-block.
+    engine = LLMEngine.from_pretrained(demo_model_dir, max_num_batched_tokens=budget)
+    prompts = [[(5 * i + j) % 900 + 3 for j in range(n)] for i, n in enumerate([70, 33, 16])]
+    for (request_id, items), prompt in zip(exported(engine, prompts).items(), prompts,
+                                           strict=True):  # fmt: skip
+        num_blocks = -(-len(prompt) // 16)
+        for layer in range(engine.model_config.num_layers):
+            blocks = [b for item_layer, ids in items if item_layer == layer for b in ids]
+            assert blocks == list(range(num_blocks)), (request_id, layer)
+
+
+def test_a_prefix_cache_hit_still_ships_the_cached_blocks(demo_model_dir):
+    engine = LLMEngine.from_pretrained(demo_model_dir)
+    shared = list(range(3, 51))  # three full blocks
+    exported(engine, [shared + [60]])
+    [items] = exported(engine, [shared + [61, 62]]).values()
+    layer0 = [b for layer, ids in items if layer == 0 for b in ids]
+    assert layer0 == [0, 1, 2, 3]
