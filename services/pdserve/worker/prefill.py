@@ -62,6 +62,10 @@ class _DecodePeer:
         await asyncio.to_thread(self.pusher.close)
 
 
+class PrefillAbandonedError(Exception):
+    """Ends a KV push whose prefill failed or whose caller went away."""
+
+
 def prefill_only(params: SamplingParams) -> SamplingParams:
     """The same sampling, stopped after the first token (decode carries on from there)."""
     return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
@@ -138,7 +142,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         worker.loop.close_sink(request_id)
 
         def stop_on_engine_thread():
-            worker.loop.drop_export(request_id, asyncio.CancelledError("prefill abandoned"))
+            worker.loop.drop_export(request_id, PrefillAbandonedError(request_id))
             if worker.engine.scheduler.get_request(request_id) is not None:
                 worker.engine.abort(request_id)
 
