@@ -17,9 +17,15 @@ Three workloads, each measured for both in one run:
 
 Every figure is the median of several timed runs after one untimed warm-up. Prompts are
 random token ids from a fixed seed. The engine runs with prefix caching off, since the
-repeats reuse one prompt and a cache hit would skip the work being measured.
+repeats reuse one prompt and a cache hit would skip the work being measured. The run also
+says how much CPU other processes took meanwhile: on a small machine that is the main
+source of noise.
 
-    .venv/bin/python bench/engine_bench.py [--threads N] [--quick] [--model-dir DIR]
+    .venv/bin/python bench/engine_bench.py [--threads N] [--quick] [--repeats N]
+                                           [--model-dir DIR]
+
+Exits 1 when the greedy outputs of the two differ (batch 1), else 0; targets are reported,
+not enforced.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -379,12 +385,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2, help="torch threads for both sides")
     parser.add_argument("--quick", action="store_true", help="small smoke version")
+    parser.add_argument("--repeats", type=int, help="timed runs per figure (default 5, quick 2)")
     parser.add_argument(
         "--model-dir", type=Path, help="reuse or create the demo model here (default: a temp dir)"
     )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     w = QUICK if args.quick else FULL
+    if args.repeats is not None:
+        w = replace(w, repeats=args.repeats)
+    transformers.utils.logging.disable_progress_bar()
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as tmp:
         model_dir = args.model_dir or Path(tmp) / "demo-small"
         if not (model_dir / "config.json").is_file():

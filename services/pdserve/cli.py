@@ -19,9 +19,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_model(subcommands)
     _add_serve(subcommands)
     _add_router(subcommands)
+    from pdserve.bench import command as bench
     from pdserve.commands import generate, status, up
 
-    for command in (up, generate, status):
+    for command in (up, generate, status, bench):
         command.add_parser(subcommands)
     return parser
 

@@ -97,6 +97,17 @@ class BenchConfig:
 class Target:
     name: str
     address: str
+    pids: tuple[int, ...] = ()  # a local cluster's processes, for its CPU time
+
+
+def _cpu_seconds(pids: tuple[int, ...]) -> float:
+    """User + system CPU time of these processes so far (Linux /proc), in seconds."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -246,7 +257,8 @@ def _start_targets(
         with console.status(f"starting {shape} (logs in {run_dir})"):
             stack.enter_context(cluster)
         console.print(f"{shape}: router at {cluster.router_address}")
-        targets.append(Target(str(shape), cluster.router_address))
+        pids = tuple(child.proc.pid for child in cluster.children)
+        targets.append(Target(str(shape), cluster.router_address, pids))
     return targets
 
 
@@ -269,15 +281,19 @@ async def _measure(
     with Progress(*columns, console=console) as progress:
         for i, rate in enumerate(config.rates):
             planned = plan(config.workload, rate, config.duration_s, config.num_warmup, config.seed)
-            for c in configs if i % 2 == 0 else configs[::-1]:
+            pairs = list(zip(targets, configs, strict=True))
+            for target, c in pairs if i % 2 == 0 else pairs[::-1]:
                 task = progress.add_task(f"{c.name} @ {rate:g} req/s", total=len(planned))
+                cpu, start = _cpu_seconds(target.pids), time.perf_counter()
                 results = await run_plan(
                     c.address,
                     planned,
                     config.drain_s,
                     on_done=lambda r, t=task: progress.advance(t),
                 )
-                c.runs.append(RateRun(rate, summarize(rate, results, config.slo), results))
+                cores = (_cpu_seconds(target.pids) - cpu) / (time.perf_counter() - start)
+                summary = summarize(rate, results, config.slo)
+                c.runs.append(RateRun(rate, summary, results, cores if target.pids else None))
                 await asyncio.sleep(SETTLE_S)
     for c in configs:
         c.runs.sort(key=lambda run: run.rate)

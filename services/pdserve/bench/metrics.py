@@ -110,32 +110,34 @@ def summarize(rate: float, results: Sequence[RequestResult], slo: SLO) -> RateSu
         e2e=Stats.of(r.e2e for r in done),
         request_throughput=len(done) / window if window else 0.0,
         output_throughput=tokens / window if window else 0.0,
-        slo_attainment=sum(slo.met_by(r) for r in measured) / len(measured) if measured else 0.0,
-        by_kind={}
-        if len(kinds) < 2
-        else {
-            kind: {
-                "ttft": Stats.of(r.ttft for r in done if r.kind == kind),
-                "tpot": _tpot(r for r in done if r.kind == kind),
-            }
+        slo_attainment=slo_attainment(results, slo),
+        by_kind={} if len(kinds) < 2 else {
+            kind: {"ttft": Stats.of(r.ttft for r in done if r.kind == kind),
+                   "tpot": _tpot(r for r in done if r.kind == kind)}
             for kind in kinds
         },
-    )
+    )  # fmt: skip
+
+
+def slo_attainment(results: Sequence[RequestResult], slo: SLO) -> float:
+    """The share of measured requests that finished within both SLOs (0 with none)."""
+    measured = [r for r in results if not r.warmup]
+    return sum(slo.met_by(r) for r in measured) / len(measured) if measured else 0.0
 
 
 def _tpot(results: Iterable[RequestResult]) -> Stats:
     return Stats.of(r.tpot for r in results if r.tpot is not None)
 
 
-def goodput(summaries: Iterable[RateSummary], goal: float = SLO_ATTAINMENT_GOAL) -> float:
+def goodput(attainment_by_rate: dict[float, float], goal: float = SLO_ATTAINMENT_GOAL) -> float:
     """The highest swept rate up to which every swept rate meets the attainment goal.
 
     0 when even the lowest rate misses it. Requiring every lower rate too keeps one lucky
     high rate after a miss (noise) from counting.
     """
     best = 0.0
-    for summary in sorted(summaries, key=lambda s: s.rate):
-        if summary.slo_attainment < goal:
+    for rate in sorted(attainment_by_rate):
+        if attainment_by_rate[rate] < goal:
             break
-        best = summary.rate
+        best = rate
     return best

@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.bench.loadgen import RequestResult
-from pdserve.bench.metrics import SLO, SLO_ATTAINMENT_GOAL, RateSummary, Stats, goodput
+from pdserve.bench.metrics import (
+    SLO,
+    SLO_ATTAINMENT_GOAL,
+    RateSummary,
+    Stats,
+    goodput,
+    slo_attainment,
+)
 from pdserve.bench.workload import Workload
 
 TIME_DECIMALS = 5  # raw times in the JSON, in seconds: 10 µs is finer than any step
@@ -20,6 +27,10 @@ class RateRun:
     rate: float
     summary: RateSummary
     results: list[RequestResult]
+    # CPU cores the cluster's processes used on average over the run (CPU time / wall
+    # time); None for a router given by address. Far below the cores the workers could use
+    # at a load that keeps them busy: the machine was shared.
+    cluster_cores: float | None = None
 
 
 @dataclass(slots=True)
@@ -34,7 +45,11 @@ class ConfigRun:
 
     @property
     def goodput(self) -> float:
-        return goodput(run.summary for run in self.runs)
+        return goodput({run.rate: run.summary.slo_attainment for run in self.runs})
+
+    def goodput_under(self, slo: SLO) -> float:
+        """Goodput had the SLOs been `slo`: the same requests, judged again."""
+        return goodput({run.rate: slo_attainment(run.results, slo) for run in self.runs})
 
     def run_at(self, rate: float) -> RateRun | None:
         return next((run for run in self.runs if run.rate == rate), None)
@@ -76,6 +91,7 @@ def to_json(result: BenchResult) -> dict:
                 "runs": [
                     {
                         "rate": run.rate,
+                        "cluster_cores": run.cluster_cores,
                         "summary": _finite(dataclasses.asdict(run.summary)),
                         "requests": [_request_json(r) for r in run.results],
                     }
@@ -137,6 +153,16 @@ def markdown(result: BenchResult, figures: list[str]) -> str:
     ]
     if len(result.configs) > 1:
         lines += ["## Side by side", "", *compare_tables(result), ""]
+    lines += [
+        "## Goodput under other SLOs",
+        "",
+        "The same requests, judged against tighter and looser SLOs (req/s; "
+        + " / ".join(c.name for c in result.configs)
+        + "):",
+        "",
+        slo_grid(result),
+        "",
+    ]
     for config in result.configs:
         lines += [f"## {config.name}", "", *config_tables(config), ""]
     lines += [f"![{name}]({name})" for name in figures]
@@ -175,6 +201,7 @@ def config_tables(config: ConfigRun) -> list[str]:
             f"{s.request_throughput:.2f}",
             f"{s.output_throughput:.1f}",
             f"{s.slo_attainment:.0%}",
+            "-" if run.cluster_cores is None else f"{run.cluster_cores:.2f}",
         ]
         for run in config.runs
         for s in [run.summary]
@@ -194,6 +221,7 @@ def config_tables(config: ConfigRun) -> list[str]:
                 "done/s",
                 "tok/s",
                 "SLO met",
+                "cores used",
             ],
             rows,
         ),
@@ -245,6 +273,23 @@ def compare_tables(result: BenchResult) -> list[str]:
         ]
     )
     return [_table(header, rows)]
+
+
+SLO_SCALES = (0.5, 1.0, 2.0)  # the grid: each SLO halved, as given, doubled
+
+
+def slo_grid(result: BenchResult) -> str:
+    """Goodput of every configuration for TTFT and TPOT SLOs around the ones given."""
+    ttfts = [result.slo.ttft_ms * k for k in SLO_SCALES]
+    tpots = [result.slo.tpot_ms * k for k in SLO_SCALES]
+    rows = []
+    for ttft in ttfts:
+        cells = []
+        for tpot in tpots:
+            goodputs = [c.goodput_under(SLO(ttft, tpot)) for c in result.configs]
+            cells.append(" / ".join(f"{g:g}" for g in goodputs))
+        rows.append([f"TTFT <= {ttft:g} ms", *cells])
+    return _table(["", *(f"TPOT <= {tpot:g} ms" for tpot in tpots)], rows)
 
 
 def _pcts(stats: Stats) -> str:

@@ -123,7 +123,7 @@ MIXED = Workload(
     "mixed",
     (
         RequestKind("decode-heavy", 0.8, Uniform(16, 64), Fixed(128)),
-        RequestKind("long-prompt", 0.2, Uniform(768, 1536), Fixed(16)),
+        RequestKind("long-prompt", 0.2, Uniform(1024, 2048), Fixed(16)),
     ),
 )
 # Short prompts only: no prefill worth splitting off, so the hand-off is pure overhead.

@@ -1,7 +1,7 @@
 """KV blocks from a prefill worker to a decode worker: KVTransfer.PushKV, both ends.
 
-The prefill side's ``KVPusher`` owns a few channels (one TCP connection each) and,
-per request, opens one PushKV stream on each. Layers are queued to the streams as
+The prefill side's ``KVPusher`` owns one channel per stream (one TCP connection each)
+and, per request, opens one PushKV stream on each. Layers are queued to the streams as
 they are produced, so the first layer is on the wire while later ones are still
 computing. The decode side's servicer hands its request iterator to ``receive_push``.
 
@@ -10,10 +10,10 @@ Choices, measured by ``bench/kv_transfer_bench.py`` (numbers in docs/benchmarks.
   back as memoryviews: protobuf's own path copies each payload three more times.
 - A layer chunk that fits one message is sent whole with the checksum the engine
   computed; only split chunks get a crc32 per piece on the sending side.
-- The client is grpc.aio on a loop of the pusher's own: about half the CPU of the
+- The client is grpc.aio on a loop of the pusher's own: it took less CPU than the
   sync stubs, whose request-consumer thread per stream wakes for every message.
-- The receiver verifies every crc32 (``KVChecksumError``) on the default executor,
-  so the event loop reads other streams meanwhile (zlib.crc32 releases the GIL).
+- The receiver verifies every crc32 (``KVChecksumError``) before ``on_chunk`` sees a
+  chunk, so a corrupt chunk is a DATA_LOSS at the edge whatever on_chunk does.
 """
 
 from __future__ import annotations
@@ -38,7 +38,10 @@ from pdserve.kv.codec import (
     split_messages,
 )
 
-DEFAULT_NUM_STREAMS = 2
+# From the benchmark's sweep (docs/benchmarks.md): one stream did as well as two and
+# better than four on 2 cores, where every extra stream is CPU the transfer lacks; and
+# whole 2 MiB layers beat splitting them into 1 MiB or 512 KiB messages.
+DEFAULT_NUM_STREAMS = 1
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # payload bytes per KVChunk
 # Encoded messages waiting per stream: enough to keep the stream busy, few enough that
 # a producer faster than the network does not hold a second copy of a prompt's KV.
@@ -267,13 +270,14 @@ async def receive_push(request_iterator, on_chunk: OnChunk) -> kv_transfer_pb2.P
     crc32 matched. An exception from it, or ``KVChecksumError``, ends the stream: it
     propagates to the servicer, whose error mapping turns it into a status.
     """
-    loop = asyncio.get_running_loop()
     num_chunks = num_bytes = 0
     async for request in request_iterator:
         lease_id, first_block, chunk = (
             request if isinstance(request, ReceivedChunk) else from_proto(request)
         )
-        if await loop.run_in_executor(None, crc32, chunk.data) != chunk.checksum:
+        # Inline: on_chunk (the cache import) runs on the loop anyway, and handing the
+        # crc to an executor thread cost more CPU than it saved on the 2-core benchmark.
+        if crc32(chunk.data) != chunk.checksum:
             raise KVChecksumError(lease_id, chunk.layer, first_block)
         on_chunk(lease_id, first_block, chunk)
         num_chunks += 1

@@ -1,0 +1,360 @@
+"""KV transfer throughput between two processes on loopback: gRPC PushKV vs raw TCP (issue 4).
+
+A receiver process serves three ends at once: a plain TCP socket that reads into one
+reused buffer (``recv_into``) and counts, and two grpc.aio KVTransfer servers whose
+PushKV is ``receive_push`` (every crc32 verified, bytes counted), one registered with
+``add_kv_transfer_servicer`` (zero-copy parsing) and one with the generated function
+(protobuf parsing). This process sends the same bytes to each: the KV of prompts of
+the ~55M benchmark model (8 layers, 2 KV heads, head_dim 64, block 16, float32). A
+2,048-token prompt is 128 blocks: 2 x 2048 x 2 x 64 x 4 bytes = 2 MiB per layer
+(``--prompt-tokens 4096`` for 4 MiB layers).
+
+- raw TCP: every layer's bytes with ``sendall`` on one connection, timed until the
+  receiver acknowledges the count. No framing, no checksum: the ceiling.
+- gRPC: one ``KVPusher.push`` per prompt, prompts one after another, timed until the
+  last push returns (the receiver has verified and counted everything).
+
+The headline runs the three in rotation so that a slow spell of the machine lands on
+all of them, and reports medians and the CPU time both processes spent per GB (on a
+2-core machine that, more than latency, sets the ceiling). A sweep of message size
+and stream count (shorter runs) shows why the defaults are what they are. Both
+processes call ``keep_freed_memory()`` as the workers should (``--no-keep-freed-memory``
+to see without). crc32 comes from ISA-L when the ``isal`` package is installed.
+
+    .venv/bin/python bench/kv_transfer_bench.py [--quick] [--rounds N] [--prompt-tokens N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import platform
+import socket
+import statistics
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from pdserve.api.v1.kv_transfer_pb2_grpc import add_KVTransferServicer_to_server
+from pdserve.engine.kv_cache import KVLayerChunk
+from pdserve.kv import codec
+from pdserve.kv.transfer import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_NUM_STREAMS,
+    KVPusher,
+    add_kv_transfer_servicer,
+    channel_options,
+    keep_freed_memory,
+    receive_push,
+)
+
+NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 64, 16
+PROMPT_TOKENS = 2048  # 128 blocks: 2 MiB of K and V per layer in float32
+TARGET_RATIO = 0.5
+MiB, GiB = 1 << 20, 1 << 30
+SWEEP_MESSAGE_BYTES = (1 * MiB, 2 * MiB, 4 * MiB)
+SWEEP_STREAMS = (1, 2, 4)
+RAW_TCP_BUFFER_BYTES = 4 * MiB
+NOISY_SHARE = 0.10  # others' CPU share of the machine above which figures are noise
+
+
+# -- the receiver process -------------------------------------------------------------------
+
+
+class _CountingServicer:
+    """KVTransfer with only PushKV: verify (in receive_push) and count."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    async def PushKV(self, request_iterator, context):  # noqa: N802 (gRPC's method name)
+        return await receive_push(request_iterator, self._on_chunk)
+
+    def _on_chunk(self, lease_id: str, first_block: int, chunk: KVLayerChunk) -> None:
+        self.bytes += len(chunk.data)
+
+    async def Handshake(self, request, context):  # noqa: N802
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in the benchmark")
+
+    CommitKV = Handshake
+
+
+def _raw_tcp_receiver(listener: socket.socket) -> None:
+    buffer = memoryview(bytearray(RAW_TCP_BUFFER_BYTES))
+    while True:
+        connection, _ = listener.accept()
+        with connection:
+            received = 0
+            while count := connection.recv_into(buffer):
+                received += count
+            connection.sendall(received.to_bytes(8, "little"))
+
+
+async def _serve_grpc(ports, raw_port: int) -> None:
+    """Two KVTransfer servers: PushKV registered zero-copy, and by the generated function."""
+    servers, grpc_ports = [], []
+    for register in (add_kv_transfer_servicer, add_KVTransferServicer_to_server):
+        server = grpc.aio.server(options=channel_options(max(SWEEP_MESSAGE_BYTES)))
+        register(_CountingServicer(), server)
+        grpc_ports.append(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        servers.append(server)
+    ports.send((raw_port, *grpc_ports))
+    # Serve until the parent closes its end of the pipe.
+    await asyncio.get_running_loop().run_in_executor(None, _wait_closed, ports)
+    for server in servers:
+        await server.stop(grace=None)
+
+
+def _wait_closed(connection) -> None:
+    try:
+        connection.recv()
+    except EOFError:
+        pass
+
+
+def receiver_main(ports, keep_memory: bool) -> None:
+    if keep_memory:
+        keep_freed_memory()
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_raw_tcp_receiver, args=(listener,), daemon=True).start()
+    asyncio.run(_serve_grpc(ports, listener.getsockname()[1]))
+
+
+# -- the sending side -----------------------------------------------------------------------
+
+
+def make_layers(prompt_tokens: int, seed: int = 0) -> list[KVLayerChunk]:
+    """One prompt's KV, as the engine's export_layer makes it (bytes and crc32)."""
+    shape = (2, -(-prompt_tokens // BLOCK_SIZE), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    rng = np.random.default_rng(seed)
+    layers = []
+    for layer in range(NUM_LAYERS):
+        data = rng.standard_normal(shape, dtype=np.float32).tobytes()
+        layers.append(KVLayerChunk(layer, "float32", shape, data, zlib.crc32(data)))
+    return layers
+
+
+def raw_tcp_send(port: int, layers: list[KVLayerChunk], num_prompts: int) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as connection:
+        for _ in range(num_prompts):
+            for layer in layers:
+                connection.sendall(layer.data)
+        connection.shutdown(socket.SHUT_WR)
+        received = int.from_bytes(connection.recv(8), "little")
+    expected = num_prompts * sum(len(layer.data) for layer in layers)
+    if received != expected:
+        raise RuntimeError(f"raw TCP receiver counted {received} bytes, expected {expected}")
+
+
+def grpc_push(pusher: KVPusher, layers: list[KVLayerChunk], num_prompts: int) -> None:
+    for prompt in range(num_prompts):
+        totals = pusher.push(f"lease-{prompt}", ((0, layer) for layer in layers))
+        if totals.bytes != sum(len(layer.data) for layer in layers):
+            raise RuntimeError(f"gRPC receiver counted {totals.bytes} bytes for one prompt")
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    seconds: float
+    cpu_seconds: float  # both processes
+
+
+class Clock:
+    """Wall time and the CPU time of both processes (this one and the receiver)."""
+
+    def __init__(self, receiver_pid: int) -> None:
+        self.receiver_stat = Path(f"/proc/{receiver_pid}/stat")
+
+    def cpu_seconds(self) -> float:
+        receiver = 0.0
+        if self.receiver_stat.is_file():  # Linux
+            utime, stime = self.receiver_stat.read_text().rsplit(")", 1)[1].split()[11:13]
+            receiver = (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+        return time.process_time() + receiver
+
+    def time(self, send: Callable[[], None]) -> Run:
+        cpu, start = self.cpu_seconds(), time.perf_counter()
+        send()
+        return Run(time.perf_counter() - start, self.cpu_seconds() - cpu)
+
+
+@dataclass(frozen=True, slots=True)
+class Throughput:
+    num_bytes: int
+    runs: list[Run]
+
+    @property
+    def gb_per_s(self) -> float:  # of the median run; GB = 1e9 bytes
+        return self.num_bytes / statistics.median(r.seconds for r in self.runs) / 1e9
+
+    @property
+    def spread(self) -> str:
+        rates = sorted(self.num_bytes / r.seconds / 1e9 for r in self.runs)
+        return f"{rates[0]:.2f}-{rates[-1]:.2f}"
+
+    @property
+    def cpu_per_gb(self) -> float:
+        return statistics.median(r.cpu_seconds for r in self.runs) / (self.num_bytes / 1e9)
+
+
+def alternating_runs(repeats: int, clock: Clock, sends: list[Callable[[], None]]):
+    """`repeats` timed runs of each after one untimed warm-up, in a rotating order.
+
+    The rotation spreads a slow spell of the machine (another process, a frequency
+    change) over all sides rather than one.
+    """
+    for send in sends:
+        send()
+    runs: list[list[Run]] = [[] for _ in sends]
+    for i in range(repeats):
+        for j in range(len(sends)):
+            k = (i + j) % len(sends)
+            runs[k].append(clock.time(sends[k]))
+    return runs
+
+
+class CpuWatch:
+    """CPU that processes other than ours (this one and the receiver) took meanwhile."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.start = (_machine_busy_seconds(), clock.cpu_seconds(), time.perf_counter())
+
+    def report(self) -> str:
+        busy0, ours0, wall0 = self.start
+        busy1 = _machine_busy_seconds()
+        if busy0 is None or busy1 is None:
+            return "CPU use of other processes: unknown (no /proc/stat)"
+        others = max(0.0, (busy1 - busy0) - (self.clock.cpu_seconds() - ours0))
+        wall = time.perf_counter() - wall0
+        share = others / (wall * (os.cpu_count() or 1))
+        verdict = "; figures are unreliable" if share > NOISY_SHARE else ""
+        return (
+            f"other processes used {others:.1f} CPU-s in {wall:.0f} s "
+            f"({share:.0%} of the machine){verdict}"
+        )
+
+
+def _machine_busy_seconds() -> float | None:
+    stat = Path("/proc/stat")
+    if not stat.is_file():
+        return None
+    # cpu  user nice system idle iowait irq softirq steal ...  (in clock ticks)
+    fields = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+# -- the report -----------------------------------------------------------------------------
+
+
+def headline(clock: Clock, ports: dict[str, int], layers, rounds: int, num_prompts: int) -> str:
+    num_bytes = num_prompts * sum(len(layer.data) for layer in layers)
+    with (
+        KVPusher(f"127.0.0.1:{ports['zero-copy']}") as pusher,
+        KVPusher(f"127.0.0.1:{ports['generated']}") as generated,
+    ):
+        raw_runs, grpc_runs, generated_runs = alternating_runs(rounds, clock, [
+            lambda: raw_tcp_send(ports["raw"], layers, num_prompts),
+            lambda: grpc_push(pusher, layers, num_prompts),
+            lambda: grpc_push(generated, layers, num_prompts),
+        ])  # fmt: skip
+    raw = Throughput(num_bytes, raw_runs)
+    ours = Throughput(num_bytes, grpc_runs)
+    protobuf = Throughput(num_bytes, generated_runs)
+    ratio = ours.gb_per_s / raw.gb_per_s
+    per_round = sorted(r.seconds / g.seconds for r, g in zip(raw_runs, grpc_runs, strict=True))
+    defaults = f"{DEFAULT_NUM_STREAMS} streams, {DEFAULT_MAX_MESSAGE_BYTES // MiB} MiB messages"
+    return "\n".join([
+        f"{num_bytes / GiB:.2f} GiB per run ({num_prompts} prompts x {NUM_LAYERS} layers x "
+        f"{len(layers[0].data) / MiB:g} MiB), median of {rounds} runs each, in rotation:",
+        "",
+        "| path | GB/s (median) | range | ratio to raw TCP | CPU-s per GB (both processes) |",
+        "| --- | --- | --- | --- | --- |",
+        f"| raw TCP socket | {raw.gb_per_s:.2f} | {raw.spread} | 1.00 | {raw.cpu_per_gb:.2f} |",
+        f"| gRPC PushKV, {defaults} | {ours.gb_per_s:.2f} | {ours.spread} | **{ratio:.2f}** "
+        f"| {ours.cpu_per_gb:.2f} |",
+        f"| same, receiver parsing KVChunk with protobuf (generated registration) "
+        f"| {protobuf.gb_per_s:.2f} | {protobuf.spread} "
+        f"| {protobuf.gb_per_s / raw.gb_per_s:.2f} | {protobuf.cpu_per_gb:.2f} |",
+        "",
+        f"Target >= {TARGET_RATIO:.0%} of raw TCP: {'met' if ratio >= TARGET_RATIO else 'NOT met'}."
+        " Per-round ratios: " + ", ".join(f"{r:.2f}" for r in per_round),
+    ])  # fmt: skip
+
+
+def sweep(clock: Clock, port: int, layers, repeats: int, num_prompts: int) -> str:
+    num_bytes = num_prompts * sum(len(layer.data) for layer in layers)
+    streams = " | ".join(f"{n} stream{'s' * (n > 1)}" for n in SWEEP_STREAMS)
+    lines = [
+        f"Sweep: {num_bytes / MiB:g} MiB per run, median of {repeats}; "
+        "GB/s (CPU-s per GB of both processes):",
+        "",
+        f"| message size | {streams} |",
+        "| --- |" + " --- |" * len(SWEEP_STREAMS),
+    ]
+    for message_bytes in SWEEP_MESSAGE_BYTES:
+        cells = []
+        for num_streams in SWEEP_STREAMS:
+            with KVPusher(
+                f"127.0.0.1:{port}", num_streams=num_streams, max_message_bytes=message_bytes
+            ) as pusher:
+                [runs] = alternating_runs(
+                    repeats, clock, [lambda p=pusher: grpc_push(p, layers, num_prompts)]
+                )
+            result = Throughput(num_bytes, runs)
+            cells.append(f"{result.gb_per_s:.2f} ({result.cpu_per_gb:.2f})")
+        lines.append(f"| {message_bytes / MiB:g} MiB | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small smoke version")
+    parser.add_argument("--rounds", type=int, default=7, help="timed runs per headline row")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    parser.add_argument(
+        "--no-keep-freed-memory", dest="keep_memory", action="store_false",
+        help="leave glibc's allocator at its defaults in both processes",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    prompts, sweep_prompts, rounds = (4, 2, 2) if args.quick else (32, 8, args.rounds)
+    if args.keep_memory:
+        keep_freed_memory()
+
+    context = multiprocessing.get_context("spawn")  # no fork after gRPC has started
+    parent_end, child_end = context.Pipe()
+    receiver = context.Process(target=receiver_main, args=(child_end, args.keep_memory))
+    receiver.start()
+    try:
+        ports = dict(zip(("raw", "zero-copy", "generated"), parent_end.recv(), strict=True))
+        layers = make_layers(args.prompt_tokens)
+        print(
+            f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+            f"grpcio {grpc.__version__}, crc32 from {codec.crc32.__module__}, "
+            f"keep_freed_memory={args.keep_memory}\n"
+        )
+        clock = Clock(receiver.pid)
+        watch = CpuWatch(clock)
+        print(headline(clock, ports, layers, rounds, prompts), end="\n\n")
+        repeats = 1 if args.quick else 3
+        print(sweep(clock, ports["zero-copy"], layers, repeats, sweep_prompts), end="\n\n")
+        print(watch.report())
+    finally:
+        parent_end.close()
+        receiver.join(timeout=10)
+        if receiver.is_alive():
+            receiver.kill()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,222 @@
+"""`pdserve bench`: workload plans, statistics and goodput on crafted data, and a tiny sweep
+against a real local cluster whose result files must add up."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+
+import numpy as np
+import pytest
+
+from pdserve.bench.command import add_parser
+from pdserve.bench.loadgen import RequestResult
+from pdserve.bench.metrics import SLO, goodput, percentile, slo_attainment, summarize
+from pdserve.bench.workload import (
+    FIRST_PROMPT_ID,
+    MIXED,
+    PROMPT_ID_LIMIT,
+    Fixed,
+    LogNormal,
+    Uniform,
+    custom_workload,
+    parse_length,
+    plan,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pdserve")
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["bench", *argv])
+
+
+def finished(index: int, ttft: float, gap: float, tokens: int, sent_at: float = 0.0,
+             warmup: bool = False, kind: str = "k") -> RequestResult:  # fmt: skip
+    """A finished request: first token at `ttft` s, then one token every `gap` s."""
+    times = [ttft + gap * i for i in range(tokens)]
+    return RequestResult(index, kind, warmup, 8, tokens, sent_at, times)
+
+
+# -- workload ------------------------------------------------------------------------------
+
+
+def test_length_specs_parse_and_print_back():
+    for text in ("fixed:7", "uniform:16:64", "lognormal:100:1:4:2048"):
+        assert str(parse_length(text)) == text
+    assert parse_length("uniform:2:5") == Uniform(2, 5)
+    for bad in ("fixed", "fixed:0", "uniform:9:3", "normal:1:2", "uniform:a:3", "fixed:1:2"):
+        with pytest.raises(ValueError):
+            parse_length(bad)
+
+
+def test_lognormal_lengths_stay_within_their_clip_and_have_a_long_tail():
+    dist, rng = LogNormal(100, 1.0, 4, 2048), random.Random(0)
+    lengths = [dist.sample(rng) for _ in range(5000)]
+    assert min(lengths) >= 4 and max(lengths) <= 2048
+    assert 80 <= percentile(lengths, 50) <= 120
+    assert percentile(lengths, 99) > 5 * percentile(lengths, 50)
+
+
+def test_a_plan_is_a_function_of_its_seed():
+    a = plan(MIXED, rate=2.0, duration_s=30, num_warmup=3, seed=7)
+    assert a == plan(MIXED, rate=2.0, duration_s=30, num_warmup=3, seed=7)
+    assert a != plan(MIXED, rate=2.0, duration_s=30, num_warmup=3, seed=8)
+
+
+def test_rates_of_a_sweep_share_kinds_lengths_and_arrival_pattern_but_not_prompts():
+    slow = plan(MIXED, rate=1.0, duration_s=20, num_warmup=2, seed=0)
+    fast = plan(MIXED, rate=4.0, duration_s=20, num_warmup=2, seed=0)
+    assert len(fast) > len(slow)
+    for s, f in zip(slow, fast, strict=False):
+        assert (s.kind, len(s.prompt_token_ids), s.max_tokens) == (
+            f.kind, len(f.prompt_token_ids), f.max_tokens)  # fmt: skip
+        assert f.send_at == pytest.approx(s.send_at / 4)
+    # fresh prompt ids at each rate: no run's prefills hit a prefix cache the last one filled
+    first_blocks = {tuple(p.prompt_token_ids[:16]) for p in slow}
+    assert not any(tuple(p.prompt_token_ids[:16]) in first_blocks for p in fast)
+
+
+def test_warm_up_requests_come_first_then_duration_seconds_of_arrivals():
+    planned = plan(MIXED, rate=5.0, duration_s=10, num_warmup=4, seed=1)
+    assert [p.warmup for p in planned[:4]] == [True] * 4
+    assert not any(p.warmup for p in planned[4:])
+    window_start = planned[4].send_at
+    assert all(p.send_at - window_start < 10 for p in planned[4:])
+    assert [p.send_at for p in planned] == sorted(p.send_at for p in planned)
+    assert [p.index for p in planned] == list(range(len(planned)))
+    # Poisson at 5/s for 10 s: about 50 arrivals (mean 50, sd ~7)
+    assert 30 <= len(planned) - 4 <= 70
+
+
+def test_the_mixed_workload_sends_its_kinds_in_their_shares_and_lengths():
+    planned = plan(MIXED, rate=10.0, duration_s=100, num_warmup=0, seed=0)
+    kinds = {k.name: k for k in MIXED.kinds}
+    for p in planned:
+        kind = kinds[p.kind]
+        assert kind.prompt_len.low <= len(p.prompt_token_ids) <= kind.prompt_len.high
+        assert p.max_tokens == kind.output_len.n
+        assert all(FIRST_PROMPT_ID <= t < PROMPT_ID_LIMIT for t in p.prompt_token_ids)
+    long_share = sum(p.kind == "long-prompt" for p in planned) / len(planned)
+    assert long_share == pytest.approx(kinds["long-prompt"].share, abs=0.05)
+    assert isinstance(kinds["decode-heavy"].output_len, Fixed)
+
+
+# -- metrics -------------------------------------------------------------------------------
+
+
+def test_percentile_interpolates_between_ranks_as_numpy_does():
+    values = [random.Random(3).uniform(0, 100) for _ in range(37)] + [5.0, 5.0]
+    for q in (0, 1, 50, 90, 99, 100):
+        assert percentile(values, q) == pytest.approx(np.percentile(values, q))
+    assert percentile([4.0], 99) == 4.0
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile(values, 101)
+
+
+def test_tpot_is_the_mean_gap_after_the_first_token_and_itls_are_every_gap():
+    result = RequestResult(0, "k", False, 8, 4, 0.0, [0.5, 0.6, 0.9, 1.1])
+    assert result.ttft == 0.5 and result.e2e == 1.1
+    assert result.tpot == pytest.approx(0.2)
+    assert result.itls == pytest.approx([0.1, 0.3, 0.2])
+    assert RequestResult(0, "k", False, 8, 1, 0.0, [0.5]).tpot is None
+
+
+def test_a_summary_counts_leave_out_warm_ups_and_failed_requests_miss_the_slo():
+    slo = SLO(ttft_ms=1000, tpot_ms=100)
+    results = [
+        finished(0, ttft=5.0, gap=1.0, tokens=4, warmup=True),  # way off, but a warm-up
+        finished(1, ttft=0.2, gap=0.05, tokens=4, sent_at=1.0),  # meets both
+        finished(2, ttft=2.0, gap=0.05, tokens=4, sent_at=2.0),  # TTFT misses
+        finished(3, ttft=0.2, gap=0.5, tokens=4, sent_at=3.0),  # TPOT misses
+        RequestResult(4, "k", False, 8, 4, 4.0, [0.1], error="cut off"),
+    ]
+    s = summarize(2.0, results, slo)
+    assert (s.num_requests, s.num_completed, s.num_failed, s.num_warmup) == (4, 3, 1, 1)
+    assert s.num_output_tokens == 12
+    assert s.slo_attainment == pytest.approx(0.25)
+    assert s.window_s == pytest.approx(3.0 + 0.2 + 1.5 - 1.0)  # last token of request 3
+    assert s.output_throughput == pytest.approx(12 / s.window_s)
+    assert s.ttft.count == 3 and s.ttft.p50 == pytest.approx(200.0)
+    assert s.itl.count == 9
+
+
+def test_goodput_is_the_highest_rate_up_to_which_every_rate_meets_the_goal():
+    assert goodput({1: 1.0, 2: 0.9, 4: 0.8}) == 2  # exactly 90% counts
+    assert goodput({4: 1.0, 1: 1.0, 2: 1.0}) == 4  # the order of the sweep is irrelevant
+    assert goodput({1: 1.0, 2: 0.5, 4: 1.0}) == 1  # a lucky rate after a miss: no
+    assert goodput({1: 0.8, 2: 1.0}) == 0
+    assert goodput({}) == 0
+
+
+def test_slo_attainment_judges_each_measured_request_against_both_slos():
+    results = [finished(i, ttft=0.1 if i < 9 else 3.0, gap=0.01, tokens=3) for i in range(10)]
+    results.append(finished(10, ttft=9.0, gap=9.0, tokens=3, warmup=True))
+    assert slo_attainment(results, SLO(ttft_ms=1000, tpot_ms=100)) == pytest.approx(0.9)
+    assert slo_attainment(results, SLO(ttft_ms=5000, tpot_ms=100)) == 1.0
+    assert slo_attainment(results, SLO(ttft_ms=5000, tpot_ms=5)) == 0.0
+    assert slo_attainment([], SLO(ttft_ms=1, tpot_ms=1)) == 0.0
+
+
+def test_bad_flags_fail_before_anything_starts(capsys):
+    for argv in (
+        ["--rates", "1,x"],
+        ["--rates", "0,1"],
+        ["--prompt-len", "fixed:4"],
+        ["--rates", "1,2", "--timeline-rate", "3"],
+        ["--compare", "prefill:1"],
+    ):
+        args = (
+            bench_args(*argv, "--router", "127.0.0.1:1")
+            if "--compare" not in argv
+            else bench_args(*argv)
+        )
+        assert args.run(args) == 1, argv
+    assert "timeline-rate" in capsys.readouterr().err
+
+
+# -- a real sweep --------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_a_tiny_sweep_writes_results_that_add_up(demo_model_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("REDIS_URL", raising=False)  # the cluster's own private Redis
+    out = tmp_path / "out"
+    args = bench_args(
+        "--compare", "colocated:1", "--model", str(demo_model_dir),
+        "--prompt-len", "uniform:4:24", "--output-len", "fixed:6",
+        "--rates", "4,8", "--duration", "1.5", "--warmup", "2", "--drain", "20",
+        "--ttft-slo-ms", "500", "--tpot-slo-ms", "100", "--out", str(out),
+    )  # fmt: skip
+    assert args.run(args) == 0
+
+    data = json.loads((out / "custom.json").read_text())
+    [config] = data["configs"]
+    assert config["name"] == "colocated:1"
+    assert config["goodput_rps"] in (0, 4, 8)
+    assert [run["rate"] for run in config["runs"]] == [4, 8]
+    for run in config["runs"]:
+        s, requests = run["summary"], run["requests"]
+        assert run["cluster_cores"] > 0
+        planned = plan(custom_workload("uniform:4:24", "fixed:6"), run["rate"], 1.5, 2, seed=0)
+        assert [r["prompt_tokens"] for r in requests] == [len(p.prompt_token_ids) for p in planned]
+        assert s["num_requests"] + s["num_warmup"] == len(requests)
+        assert s["num_completed"] + s["num_failed"] == s["num_requests"]
+        assert s["num_failed"] == 0
+        done = [r for r in requests if not r["warmup"]]
+        assert all(len(r["token_times"]) == r["max_tokens"] == 6 for r in requests)
+        assert s["num_output_tokens"] == sum(len(r["token_times"]) for r in done)
+        assert all(r["timings"]["ttft_ms"] > 0 for r in requests)
+        for name in ("ttft", "tpot", "itl", "e2e"):
+            stats = s[name]
+            assert stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["max"]
+        assert 0 <= s["slo_attainment"] <= 1
+    assert "colocated:1" in (out / "custom.md").read_text()
+    for figure in ("custom-cdf.png", "custom-vs-rate.png", "custom-timeline.png"):
+        data = (out / figure).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) < 200_000
