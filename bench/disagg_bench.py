@@ -11,9 +11,11 @@ Every torch side runs one thread, so each compute has the same one core.
    - without overlap: `step()`, then export every layer and push.
    Compute ends when `step()` returns (first token sampled); the push is done when
    `KVPusher.push` returns, i.e. the decode worker has verified and imported every chunk.
-   The exposed transfer is the time between the two. Each run then commits the lease
-   (which succeeds only if every layer's blocks arrived), releases it and waits until
-   the decode worker is idle.
+   The exposed transfer is the time between the two (0 when the push ends first). For
+   context: the time from the last layer's KV being in the cache to the push's end, and
+   the CPU time of the engine thread during `step()` (work, as against waiting for the
+   GIL or a core). Each run then commits the lease (which succeeds only if every layer's
+   blocks arrived), releases it and waits until the decode worker is idle.
 2. TTFT, 512-token prompt: `disaggregated_generate` through a `prefill` and a `decode`
    worker (Admit, Prefill, first delta) against `Generate` on a colocated `both` worker,
    from the client's call to its first delta, over connections opened beforehand.
@@ -21,7 +23,8 @@ Every torch side runs one thread, so each compute has the same one core.
 
 Both sides of each measurement alternate (a, b, b, a, ...) after untimed warm-ups, so a
 slow spell of the machine lands on both; prompts are fresh random ids for every run, so
-no prefix cache hit skips work. Medians are reported, with p90 for TTFT.
+no prefix cache hit skips work. Medians are reported; for TTFT also p90, the best run,
+and the median of the paired ratios (runs i of both sides saw the same machine).
 
     .venv/bin/python bench/disagg_bench.py [--quick] [--model-dir DIR]
 """
@@ -184,6 +187,7 @@ class TransferRun:
     last_layer_done: float  # the last layer's KV was in the cache (and, overlapped, queued)
     compute_end: float  # step() returned: the first token is sampled
     pushed: float  # KVPusher.push returned: the decode worker imported every chunk
+    compute_cpu_s: float  # CPU time of this (the engine's) thread during step()
     totals: PushTotals
 
     @property
@@ -235,26 +239,27 @@ class PrefillSide:
 
         def export_layer(layer: int, plan) -> None:
             nonlocal last_layer_done
-            if layer == self.num_layers - 1:
+            is_last = layer == self.num_layers - 1
+            if is_last:
                 last_layer_done = time.perf_counter()
             chunks.put((0, self.engine.export_kv(request_id, layer, len(prompt))))
-            if layer == self.num_layers - 1:
+            if is_last:
                 chunks.put(None)  # the end, as the worker's EXPORT_DONE
 
         push = self.pool.submit(self._timed_push, lease_id, iter(chunks.get, None))
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         first = self._first_token(self.engine.step(export_layer))
-        compute_end = time.perf_counter()
+        compute_end, cpu_s = time.perf_counter(), time.thread_time() - cpu_start
         pushed_at, totals = push.result()
         self._end(lease_id, request_id, first)
-        return TransferRun(start, last_layer_done, compute_end, pushed_at, totals)
+        return TransferRun(start, last_layer_done, compute_end, pushed_at, cpu_s, totals)
 
     def serial(self, prompt: list[int]) -> TransferRun:
         """Compute the whole prompt, then export layer after layer and push."""
         lease_id, request_id = self._begin(prompt)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         first = self._first_token(self.engine.step())
-        compute_end = time.perf_counter()
+        compute_end, cpu_s = time.perf_counter(), time.thread_time() - cpu_start
         chunks = (
             (0, self.engine.export_kv(request_id, layer, len(prompt)))
             for layer in range(self.num_layers)
@@ -262,7 +267,7 @@ class PrefillSide:
         pushed_at, totals = self._timed_push(lease_id, chunks)
         self._end(lease_id, request_id, first)
         # Nothing leaves before step() returns: the push starts from its end.
-        return TransferRun(start, compute_end, compute_end, pushed_at, totals)
+        return TransferRun(start, compute_end, compute_end, pushed_at, cpu_s, totals)
 
     def _begin(self, prompt: list[int]) -> tuple[str, str]:
         lease = self.decode.Admit(decode_pb2.AdmitRequest(
@@ -315,6 +320,8 @@ def bench_transfer(side: PrefillSide, w: Workload, rng: random.Random) -> list[R
             lambda r: r.after_last_layer_s),
         row(f"prefill compute, {n}-token prompt (exporting each layer during it vs not)",
             lambda r: r.compute_s),
+        row("prefill compute, CPU time of the engine thread (the same two)",
+            lambda r: r.compute_cpu_s),
         row("prefill start to prompt KV on the decode worker (overlap vs none)",
             lambda r: r.kv_ready_s),
     ]  # fmt: skip

@@ -272,7 +272,8 @@ def headline(clock: Clock, ports: dict[str, int], layers, rounds: int, num_promp
     protobuf = Throughput(num_bytes, generated_runs)
     ratio = ours.gb_per_s / raw.gb_per_s
     per_round = sorted(r.seconds / g.seconds for r, g in zip(raw_runs, grpc_runs, strict=True))
-    defaults = f"{DEFAULT_NUM_STREAMS} streams, {DEFAULT_MAX_MESSAGE_BYTES // MiB} MiB messages"
+    streams = f"{DEFAULT_NUM_STREAMS} stream{'s' * (DEFAULT_NUM_STREAMS > 1)}"
+    defaults = f"{streams}, {DEFAULT_MAX_MESSAGE_BYTES // MiB} MiB messages"
     return "\n".join([
         f"{num_bytes / GiB:.2f} GiB per run ({num_prompts} prompts x {NUM_LAYERS} layers x "
         f"{len(layers[0].data) / MiB:g} MiB), median of {rounds} runs each, in rotation:",
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         help="leave glibc's allocator at its defaults in both processes",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    prompts, sweep_prompts, rounds = (4, 2, 2) if args.quick else (32, 8, args.rounds)
+    prompts, sweep_prompts, rounds = (4, 2, 2) if args.quick else (64, 8, args.rounds)
     if args.keep_memory:
         keep_freed_memory()
 

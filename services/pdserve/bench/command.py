@@ -15,6 +15,7 @@ import os
 import platform
 import random
 import shlex
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +44,9 @@ DEFAULT_OUT = "bench-results"
 # decodes it. Without it the router would ship KV between two `both` workers.
 COLOCATE_EVERY_PROMPT = 1 << 30
 SETTLE_S = 1.0  # pause between runs: cancelled requests of the last one are freed by then
-SOLO_REPEATS = 2  # per kind, alone; the last is kept (the first warms the workers up)
+# Requests of each kind sent alone: the first ones warm the workers up (two, so a worker
+# pair sharing requests both get one), the others are timed and averaged.
+SOLO_WARMUPS, SOLO_TIMED = 2, 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,15 +304,20 @@ async def _measure(
 
 
 async def _solo(address: str, config: BenchConfig) -> dict[str, dict[str, float]]:
-    """One request of each kind, alone, timed: what an idle cluster does (calibration)."""
+    """Requests of each kind sent alone, timed: what an idle cluster does (calibration)."""
     solo = {}
     for kind in config.workload.kinds:
-        for repeat in range(SOLO_REPEATS):  # fresh prompt ids each time: no prefix-cache hits
+        timed = []
+        for repeat in range(SOLO_WARMUPS + SOLO_TIMED):  # fresh prompt ids: no cache hits
             rng = random.Random(f"{config.seed}/solo/{kind.name}/{repeat}")
             [result] = await run_plan(address, [sample_request(kind, rng, rng)], config.drain_s)
             if not result.ok:
                 raise RuntimeError(f"a {kind.name} request alone failed: {result.error}")
-        solo[kind.name] = {"ttft_ms": result.ttft * MS, "tpot_ms": (result.tpot or 0.0) * MS}
+            timed += [result] if repeat >= SOLO_WARMUPS else []
+        solo[kind.name] = {
+            "ttft_ms": statistics.mean(r.ttft for r in timed) * MS,
+            "tpot_ms": statistics.mean(r.tpot or 0.0 for r in timed) * MS,
+        }
     return solo
 
 
