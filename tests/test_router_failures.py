@@ -411,10 +411,6 @@ async def test_client_that_goes_away_mid_stream_frees_the_decode_blocks(cluster)
     assert (load.free_blocks, load.open_leases, load.running) == (load.total_blocks, 0, 0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "RouterServicer._run records a cancel only on CancelledError; a client that leaves "
-    "while the handler waits to send a message closes the generator with GeneratorExit, "
-    "so the record stays 'decoding' (and a resume of it waits until the TTL)"))  # fmt: skip
 async def test_a_client_that_leaves_while_the_router_waits_to_send_is_recorded_cancelled(
     cluster,
 ):

@@ -70,6 +70,8 @@ def to_status(exc: BaseException) -> status_pb2.Status:
         return _status(code_pb2.DATA_LOSS, str(exc))
     if isinstance(exc, KVChunkError):
         return _status(code_pb2.DATA_LOSS if exc.corrupt else code_pb2.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, grpc.aio.AioRpcError):  # a worker's status, passed on (retries spent)
+        return _status(exc.code().value[0], exc.details() or exc.code().name)
     if isinstance(exc, PreconditionError):
         return _status(code_pb2.FAILED_PRECONDITION, str(exc))
     log.error("unexpected error in a handler", exc_info=exc)

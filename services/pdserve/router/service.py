@@ -115,7 +115,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     break
             if not stream:
                 yield collected
-        except asyncio.CancelledError:  # the client went away
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away (mid-send: exit)
             await asyncio.shield(self.store.finish(request_id, RequestStatus.CANCELLED, "abort"))
             raise
         except Exception as exc:
