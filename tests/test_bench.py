@@ -164,18 +164,15 @@ def test_slo_attainment_judges_each_measured_request_against_both_slos():
 
 
 def test_bad_flags_fail_before_anything_starts(capsys):
+    router = ["--router", "127.0.0.1:1"]  # never called: the flags fail first
     for argv in (
-        ["--rates", "1,x"],
-        ["--rates", "0,1"],
-        ["--prompt-len", "fixed:4"],
-        ["--rates", "1,2", "--timeline-rate", "3"],
+        [*router, "--rates", "1,x"],
+        [*router, "--rates", "0,1"],
+        [*router, "--prompt-len", "fixed:4"],
+        [*router, "--rates", "1,2", "--timeline-rate", "3"],
         ["--compare", "prefill:1"],
     ):
-        args = (
-            bench_args(*argv, "--router", "127.0.0.1:1")
-            if "--compare" not in argv
-            else bench_args(*argv)
-        )
+        args = bench_args(*argv)
         assert args.run(args) == 1, argv
     assert "timeline-rate" in capsys.readouterr().err
 

@@ -25,7 +25,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from pdserve.bench.loadgen import run_plan
 from pdserve.bench.metrics import MS, SLO, summarize
-from pdserve.bench.plots import plot_cdfs, plot_latency_vs_rate, plot_timeline
 from pdserve.bench.report import (
     BenchResult,
     ConfigRun,
@@ -221,6 +220,9 @@ def run(args: argparse.Namespace) -> int:
 
 def write_outputs(result: BenchResult, out: Path, timeline_rate: float) -> list[Path]:
     """WORKLOAD.json, WORKLOAD.md and the figures; their paths, in that order."""
+    # matplotlib takes ~0.4 s to import: only a finished run pays it, not every `pdserve`
+    from pdserve.bench.plots import plot_cdfs, plot_latency_vs_rate, plot_timeline
+
     name = result.workload.name
     figures = [
         plot_cdfs(result, out / f"{name}-cdf.png"),
