@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
+import sys
 
 from pdserve.cluster.processes import READY_LINE
 
@@ -31,3 +33,12 @@ def stop_on_signals(stop: asyncio.Event) -> None:
 def announce_ready(**fields) -> None:
     """Print the line process managers and tests wait for: `PDSERVE_READY k=v ...`."""
     print(" ".join([READY_LINE, *(f"{k}={v}" for k, v in fields.items())]), flush=True)
+
+
+def configure_logging(who: str) -> None:
+    """Log lines on stderr, each naming this process (`pdserve up` keeps one file each)."""
+    logging.basicConfig(
+        level=logging.INFO,
+        stream=sys.stderr,
+        format=f"%(asctime)s {who} %(levelname)s %(name)s: %(message)s",
+    )

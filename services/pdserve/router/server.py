@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import uuid
 from dataclasses import dataclass, field
 
@@ -23,7 +22,12 @@ from pdserve.router.discovery import KubernetesDiscovery, RedisDiscovery, Static
 from pdserve.router.policy import ColocationRule, MostFreeDecode, make_prefill_policy
 from pdserve.router.runner import ChannelPool, RequestRunner, RunnerConfig
 from pdserve.router.service import RouterServicer
-from pdserve.serving import KEEPALIVE_OPTIONS, announce_ready, stop_on_signals
+from pdserve.serving import (
+    KEEPALIVE_OPTIONS,
+    announce_ready,
+    configure_logging,
+    stop_on_signals,
+)
 from pdserve.state.registry import WorkerRegistry
 from pdserve.state.requests import RequestStore
 
@@ -130,9 +134,6 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
 
 
 def main(config: RouterConfig) -> int:
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr,
-        format=f"%(asctime)s {config.router_id} %(levelname)s %(name)s: %(message)s",
-    )  # fmt: skip
+    configure_logging(config.router_id)
     asyncio.run(serve(config))
     return 0

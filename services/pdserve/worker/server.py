@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 
 import grpc
 import torch
@@ -21,7 +20,12 @@ from pdserve.api.v1 import (
 from pdserve.engine.fingerprint import model_fingerprint
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transfer import add_kv_transfer_servicer, channel_options, keep_freed_memory
-from pdserve.serving import KEEPALIVE_OPTIONS, announce_ready, stop_on_signals
+from pdserve.serving import (
+    KEEPALIVE_OPTIONS,
+    announce_ready,
+    configure_logging,
+    stop_on_signals,
+)
 from pdserve.state.registry import WorkerRegistry, heartbeat
 from pdserve.worker.decode import DecodeServicer, KVTransferServicer
 from pdserve.worker.prefill import PrefillServicer
@@ -122,9 +126,6 @@ async def _set_health(servicer, names, status) -> None:
 
 
 def main(config: WorkerConfig) -> int:
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr,
-        format=f"%(asctime)s {config.role}[{config.worker_id}] %(levelname)s %(name)s: %(message)s",
-    )  # fmt: skip
+    configure_logging(f"{config.role}[{config.worker_id}]")
     asyncio.run(serve(config))
     return 0
