@@ -61,7 +61,7 @@ def _add_serve(subcommands: argparse._SubParsersAction) -> None:
     cmd.add_argument("--max-num-seqs", type=int, default=64)
     cmd.add_argument("--max-num-batched-tokens", type=int, default=2048)
     cmd.add_argument("--lease-ttl", type=float, default=30.0, help="seconds a KV lease waits")
-    cmd.add_argument("--kv-streams", type=int, default=4, help="parallel KV push streams")
+    cmd.add_argument("--kv-streams", type=int, default=1, help="parallel KV push streams")
     cmd.add_argument("--grace", type=float, default=30.0, help="seconds to drain on SIGTERM")
     cmd.add_argument(
         "--redis-url",

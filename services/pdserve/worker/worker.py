@@ -36,8 +36,8 @@ class WorkerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     lease_ttl_s: float = 30.0
-    kv_streams: int = 4
-    max_message_bytes: int = 8 << 20
+    kv_streams: int = 1  # measured best on 2 cores (docs/benchmarks.md)
+    max_message_bytes: int = 4 << 20
     grace_s: float = 30.0
     redis_url: str | None = None  # publish heartbeats to the worker registry
     advertise_host: str | None = None  # how others reach us; default: host
