@@ -156,6 +156,14 @@ class CpuWatch:
         )
 
 
+def watched(label: str, run: Callable[[], T]) -> T:
+    """Run one measurement and say how quiet the machine was meanwhile."""
+    watch = CpuWatch()
+    result = run()
+    print(f"{label}: {watch.report()}")
+    return result
+
+
 def _machine_busy_seconds() -> float | None:
     stat = Path("/proc/stat")
     if not stat.is_file():
@@ -401,17 +409,17 @@ def main(argv: list[str] | None = None) -> int:
             write_demo_model(model_dir, size="small", seed=0)
         engine, model = build_engine(model_dir, w), build_hf_model(model_dir)
         print(machine_line(args.threads, model))
-        watch = CpuWatch()
         rng = random.Random(PROMPT_SEED)
         decode_prompt = random_prompts(1, w.decode_prompt_len, rng)[0]
         batch_prompts = random_prompts(w.batch_size, w.batch_prompt_len, rng)
         prefill_prompt = random_prompts(1, w.prefill_len, rng)[0]
-        batch1, identical = bench_batch1(engine, model, w, decode_prompt)
+        batch1, identical = watched(
+            "batch-1", lambda: bench_batch1(engine, model, w, decode_prompt)
+        )
         results = batch1 + [
-            bench_concurrent(engine, model, w, batch_prompts),
-            bench_prefill(engine, model, w, prefill_prompt),
+            watched("concurrent", lambda: bench_concurrent(engine, model, w, batch_prompts)),
+            watched("prefill", lambda: bench_prefill(engine, model, w, prefill_prompt)),
         ]
-    print(watch.report())
     print("\n| metric | pdserve | transformers | ratio | target | met? |")
     print("| --- | --- | --- | --- | --- | --- |")
     for result in results:
