@@ -301,7 +301,9 @@ def bench_transfer(side: PrefillSide, w: Workload, rng: random.Random) -> list[R
         lambda: side.serial(random_prompt(n, rng)),
     )  # fmt: skip
     totals = {run.totals for run in overlapped + serial}
-    print(f"KV per {n}-token prompt: {totals}")
+    pusher = side.pusher
+    print(f"KV per {n}-token prompt: {totals}; pushed over {pusher.num_streams} stream(s), "
+          f"messages up to {pusher.max_message_bytes >> 20} MiB")  # fmt: skip
     for name, runs in (("overlapped", overlapped), ("without overlap", serial)):
         print(f"{name} runs, ms (compute, exposed, last layer -> pushed): " + ", ".join(
             f"({r.compute_s * 1e3:.0f}, {r.exposed_s * 1e3:.1f}, {r.after_last_layer_s * 1e3:.1f})"
