@@ -180,9 +180,9 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
     if config.shapes and model is None:
-        from pdserve.commands.up import _ensure_demo_model
+        from pdserve.commands.up import ensure_demo_model
 
-        model = str(_ensure_demo_model(console))
+        model = str(ensure_demo_model(console))
     machine = {
         "cpus": os.cpu_count(),
         "platform": platform.platform(),

@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         console.print(f"[red]pdserve up: {exc}[/red]")
         return 2
-    model = args.model or str(_ensure_demo_model(console))
+    model = args.model or str(ensure_demo_model(console))
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ensure_demo_model(console: Console) -> Path:
+def ensure_demo_model(console: Console) -> Path:
     from pdserve.engine.demo_model import write_demo_model
 
     path = demo_model_dir()
