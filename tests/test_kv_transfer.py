@@ -187,14 +187,15 @@ def test_an_error_from_on_chunk_ends_the_push_with_its_status():
     def reject(lease_id: str, first_block: int, chunk: KVLayerChunk) -> None:
         raise UnknownLeaseError(f"no lease {lease_id!r}")
 
-    with (
-        running_server(Servicer(reject)) as address,
-        KVPusher(address, num_streams=2) as pusher,
-        pytest.raises(KVPushError) as raised,
-    ):
-        pusher.push("gone", [(0, make_layer(layer, num_blocks=2)) for layer in range(4)])
-    assert raised.value.code == grpc.StatusCode.NOT_FOUND
-    assert "no lease 'gone'" in raised.value.details
+    # Many layers after the rejected first one: the pusher is still writing when the
+    # receiver fails, which is when a status can get lost (receive_push's docstring).
+    with running_server(Servicer(reject)) as address, KVPusher(address, num_streams=2) as pusher:
+        for attempt in range(5):
+            with pytest.raises(KVPushError) as raised:
+                layers = [(0, make_layer(layer % 4, num_blocks=2)) for layer in range(32)]
+                pusher.push(f"gone-{attempt}", layers)
+            assert raised.value.code == grpc.StatusCode.NOT_FOUND
+            assert f"no lease 'gone-{attempt}'" in raised.value.details
 
 
 def test_the_first_layer_is_delivered_while_later_ones_are_still_computing(recorder, target):

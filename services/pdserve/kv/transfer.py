@@ -267,21 +267,36 @@ async def receive_push(request_iterator, on_chunk: OnChunk) -> kv_transfer_pb2.P
     Requests are ``ReceivedChunk`` (servicers registered with ``add_kv_transfer_servicer``:
     no copies) or ``KVChunk`` protos (the generated registration). ``on_chunk(lease_id,
     first_block, chunk)`` runs on the event loop for each message in order, after its
-    crc32 matched. An exception from it, or ``KVChecksumError``, ends the stream: it
+    crc32 matched. An exception from it, or ``KVChecksumError``, ends the push: it
     propagates to the servicer, whose error mapping turns it into a status.
+
+    The status is raised only once the sender has half-closed; until then the rest of
+    the stream is read and dropped. Ending the call earlier races the sender's next
+    write, and grpc.aio reports a write into an ended call as INTERNAL "Internal error
+    from Core" in place of the status we sent. What draining costs is the rest of one
+    prompt's KV on the wire, which the prefill worker computes for its first token anyway.
     """
     num_chunks = num_bytes = 0
+    failure: Exception | None = None
     async for request in request_iterator:
+        if failure is not None:
+            continue
         lease_id, first_block, chunk = (
             request if isinstance(request, ReceivedChunk) else from_proto(request)
         )
-        # Inline: on_chunk (the cache import) runs on the loop anyway, and handing the
-        # crc to an executor thread cost more CPU than it saved on the 2-core benchmark.
-        if crc32(chunk.data) != chunk.checksum:
-            raise KVChecksumError(lease_id, chunk.layer, first_block)
-        on_chunk(lease_id, first_block, chunk)
+        try:
+            # Inline: on_chunk (the cache import) runs on the loop anyway, and handing the
+            # crc to an executor thread cost more CPU than it saved on the 2-core benchmark.
+            if crc32(chunk.data) != chunk.checksum:
+                raise KVChecksumError(lease_id, chunk.layer, first_block)
+            on_chunk(lease_id, first_block, chunk)
+        except Exception as exc:  # noqa: BLE001 - raised below, after the sender is done
+            failure = exc
+            continue
         num_chunks += 1
         num_bytes += len(chunk.data)
+    if failure is not None:
+        raise failure
     return kv_transfer_pb2.PushKVResult(chunks=num_chunks, bytes=num_bytes)
 
 

@@ -25,6 +25,7 @@ from pdserve.api.v1 import (
 )
 from pdserve.engine.errors import KVCapacityError
 from pdserve.router.discovery import Discovery
+from pdserve.router.dispatches import RecentDispatches
 from pdserve.router.policy import (
     ColocationRule,
     DecodePolicy,
@@ -107,6 +108,7 @@ class RequestRunner:
                  config: RunnerConfig):  # fmt: skip
         self.discovery, self.channels, self.config = discovery, channels, config
         self.prefill_policy, self.decode_policy = prefill_policy, decode_policy
+        self.dispatches = RecentDispatches()
 
     async def run(
         self,
@@ -140,18 +142,22 @@ class RequestRunner:
 
     async def _attempt(self, request_id, prompt, sampling, progress, timeout):
         blocks_needed = -(-(len(prompt) + sampling.max_tokens) // self.config.block_size)
-        decodes = self.decode_policy.rank(self.discovery.workers("decode"), blocks_needed)
+        decodes = self.decode_policy.rank(
+            self.dispatches.adjust(self.discovery.workers("decode")), blocks_needed
+        )
         if not decodes:
             raise UnavailableError("no healthy decode worker")
         hashes = prompt_block_hashes(prompt, self.config.block_size)
         first_choice = decodes[0]
         cached = cached_prefix_blocks(first_choice, hashes) * self.config.block_size
         if self.config.colocation.should_colocate(len(prompt), cached):
+            self.dispatches.record(first_choice.address, blocks_needed)
             async for delta in self._colocated(first_choice, request_id, prompt, sampling,
                                                progress, timeout):  # fmt: skip
                 yield delta
             return
         decode, lease = await self._admit(decodes, request_id, prompt, sampling, progress, timeout)
+        self.dispatches.record(decode.address, blocks_needed)
         decode_stub = decode_pb2_grpc.DecodeStub(self.channels.get(decode.address))
         stream = decode_stub.Stream(decode_pb2.StreamRequest(lease_id=lease.lease_id),
                                     timeout=timeout)  # fmt: skip
@@ -196,13 +202,16 @@ class RequestRunner:
 
     async def _prefill(self, hashes, request_id, prompt, sampling, decode, lease, progress,
                        timeout) -> decode_pb2.TokenDelta:  # fmt: skip
-        prefills = self.prefill_policy.rank(self.discovery.workers("prefill"), hashes)
+        prefills = self.prefill_policy.rank(
+            self.dispatches.adjust(self.discovery.workers("prefill")), hashes
+        )
         if not prefills:
             raise UnavailableError("no healthy prefill worker")
         last_error: Exception | None = None
         for worker in prefills:
             stub = prefill_pb2_grpc.PrefillStub(self.channels.get(worker.address))
             progress.set(prefill_worker=worker.address)
+            self.dispatches.record(worker.address)
             try:
                 response = await stub.Prefill(prefill_pb2.PrefillRequest(
                     request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
