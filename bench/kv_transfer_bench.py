@@ -84,7 +84,7 @@ class _CountingServicer:
     async def Handshake(self, request, context):  # noqa: N802
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in the benchmark")
 
-    CommitKV = Handshake
+    CommitKV = RenewLease = Handshake
 
 
 def _raw_tcp_receiver(listener: socket.socket) -> None:

@@ -244,6 +244,25 @@ def test_a_lease_whose_kv_never_arrives_expires_and_frees_its_blocks(cluster):
                       grpc.StatusCode.NOT_FOUND)  # fmt: skip
 
 
+async def test_a_renewed_lease_outlives_its_ttl_and_expires_once_renewals_stop(cluster):
+    from pdserve.api.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+    from pdserve.worker.prefill import keep_lease_open
+
+    _, (decode, _) = cluster
+    lease = admit(decode, prompts([60], seed=9)[0], ttl_ms=300)
+    async with decode.channel() as channel:
+        kv = kv_transfer_pb2_grpc.KVTransferStub(channel)
+        keeper = asyncio.create_task(keep_lease_open(kv, lease.lease_id))
+        await asyncio.sleep(1.2)  # four TTLs: what a prompt queued on the prefill worker waits
+        assert not keeper.done()
+        renewed = await kv.RenewLease(kv_transfer_pb2.RenewLeaseRequest(lease_id=lease.lease_id))
+        assert renewed.ttl_ms == 300 and renewed.deadline_unix_ms > lease.deadline_unix_ms
+        keeper.cancel()
+    assert_idle(decode)  # with nobody renewing, it expires and frees its blocks
+    expect_push_error(decode, lease.lease_id, [(0, layer_chunk(lease, 0))],
+                      grpc.StatusCode.NOT_FOUND)  # fmt: skip
+
+
 async def test_cancelled_decode_stream_frees_blocks_at_once(cluster):
     prefill, (decode, _) = cluster
     long = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)

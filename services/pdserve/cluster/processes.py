@@ -44,12 +44,19 @@ class ChildProcess:
 
 
 def spawn(name: str, args: list[str], log_dir: str, env: dict[str, str] | None = None):
-    """Start `python -m pdserve ARGS`; stderr goes to LOG_DIR/NAME.log."""
+    """Start `python -m pdserve ARGS`; stderr goes to LOG_DIR/NAME.log.
+
+    Each child gets a session of its own. Linux's autogroup scheduler shares the CPU
+    between sessions first, so children in the caller's session would share one slice
+    among them against the rest of the machine, however many engines they run. And
+    the terminal's Ctrl-C reaches only the caller, which then stops its children in
+    order (`ChildProcess.stop`), instead of every process at once.
+    """
     log_path = os.path.join(log_dir, f"{name}.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve", *args],
-            stdout=subprocess.PIPE, stderr=log, text=True,
+            stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )  # fmt: skip
     return ChildProcess(name, proc, log_path)

@@ -37,6 +37,7 @@ class Lease:
     num_layers: int
     deadline: float  # time.monotonic()
     deadline_unix_ms: int
+    ttl_s: float  # what issue and each renewal give it
     state: LeaseState = LeaseState.OPEN
     # received[layer][block] is True once that block of that layer arrived
     received: list[bytearray] = field(default_factory=list)
@@ -68,6 +69,7 @@ class LeaseTable:
             num_layers=self.num_layers,
             deadline=self._clock() + ttl_s,
             deadline_unix_ms=int((time.time() + ttl_s) * 1000),
+            ttl_s=ttl_s,
         )
         self._leases[lease.lease_id] = lease
         return lease
@@ -85,6 +87,16 @@ class LeaseTable:
             raise LeaseError("not_found", f"lease is {lease.state.value}, not open")
         if self._clock() > lease.deadline:
             raise LeaseError("expired", "lease deadline passed before its KV arrived")
+        return lease
+
+    def renew(self, lease_id: str) -> Lease:
+        """Move an open lease's deadline to now + its TTL (never earlier); LeaseError if
+        it is not open or already past its deadline."""
+        lease = self.open_lease(lease_id)
+        deadline = self._clock() + lease.ttl_s
+        if deadline > lease.deadline:
+            lease.deadline = deadline
+            lease.deadline_unix_ms = int((time.time() + lease.ttl_s) * 1000)
         return lease
 
     def check_chunk(self, lease_id: str, layer: int, first_block: int, num_blocks: int) -> Lease:

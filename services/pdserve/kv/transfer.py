@@ -319,6 +319,10 @@ def add_kv_transfer_servicer(servicer, server) -> None:
             servicer.CommitKV, pb.CommitKVRequest.FromString,
             pb.CommitKVResponse.SerializeToString,
         ),
+        "RenewLease": grpc.unary_unary_rpc_method_handler(
+            servicer.RenewLease, pb.RenewLeaseRequest.FromString,
+            pb.RenewLeaseResponse.SerializeToString,
+        ),
     }  # fmt: skip
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),)

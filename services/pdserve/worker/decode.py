@@ -208,6 +208,14 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         leases.mark_received(lease, chunk.layer, first_block, chunk.num_blocks, len(chunk.data))
 
     @rpc_errors
+    async def RenewLease(self, request, context):
+        self.worker.check_ready()
+        lease = self.worker.leases.renew(request.lease_id)
+        return kv_transfer_pb2.RenewLeaseResponse(
+            deadline_unix_ms=lease.deadline_unix_ms, ttl_ms=round(lease.ttl_s * 1000)
+        )
+
+    @rpc_errors
     async def CommitKV(self, request, context):
         self.worker.check_ready()
         await self.decode.commit(request.lease_id, request.first_token_id)

@@ -29,6 +29,10 @@ from pdserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 PREFILL_ID_SUFFIX = "/prefill"
+# A lease is renewed every third of its TTL, so two renewals can fail before it ends.
+RENEWALS_PER_TTL = 3
+RENEW_RETRY_S = 0.5
+RENEW_TIMEOUT_S = 5.0
 
 
 class _DecodePeer:
@@ -60,6 +64,29 @@ class _DecodePeer:
     async def close(self) -> None:
         await self.channel.close()
         await asyncio.to_thread(self.pusher.close)
+
+
+async def keep_lease_open(kv: kv_transfer_pb2_grpc.KVTransferStub, lease_id: str) -> None:
+    """Renew the decode worker's lease until cancelled: while the prompt queues and
+    computes here, and until its KV is committed.
+
+    A lease's TTL bounds how long a dead prefill worker can strand the decode worker's
+    blocks; it must not also bound how long a prompt may wait here. Without renewals,
+    prompts queued behind long ones outlived the router's 10 s leases, and the router
+    prefilled them again from scratch. Stops quietly once the lease has ended (the push
+    or the commit reports why) or when the decode worker cannot renew (UNIMPLEMENTED).
+    """
+    while True:
+        try:
+            reply = await kv.RenewLease(
+                kv_transfer_pb2.RenewLeaseRequest(lease_id=lease_id), timeout=RENEW_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                return
+            await asyncio.sleep(RENEW_RETRY_S)
+            continue
+        await asyncio.sleep(max(reply.ttl_ms / 1000 / RENEWALS_PER_TTL, RENEW_RETRY_S / 10))
 
 
 class PrefillAbandonedError(Exception):
@@ -104,6 +131,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         lease_id = request.target.lease_id
         peer = self._peer(request.target.address)
         export, push = KVExport(request_id), None
+        keeper = asyncio.create_task(keep_lease_open(peer.kv, lease_id))
         try:
             await peer.handshake(worker)
             sink = worker.loop.open_sink(request_id)
@@ -114,10 +142,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             ))  # fmt: skip
             first: RequestOutput = await self._first_token(request_id, sink)
         except BaseException:  # failed or cancelled by the caller: free both sides now
+            keeper.cancel()
             await asyncio.shield(self._abandon(request_id, export, push, peer, lease_id))
             raise
         reason = first_token_finish(first, params)
-        task = asyncio.create_task(self._finish_transfer(push, peer, lease_id, first, reason))
+        task = asyncio.create_task(
+            self._finish_transfer(push, keeper, peer, lease_id, first, reason)
+        )
         self.transfers.add(task)
         task.add_done_callback(self.transfers.discard)
         return prefill_response(first, reason)
@@ -149,12 +180,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         await worker.loop.call(stop_on_engine_thread)
         await self._release(peer, lease_id, push)
 
-    async def _finish_transfer(self, push, peer, lease_id, first, reason) -> None:
+    async def _finish_transfer(self, push, keeper, peer, lease_id, first, reason) -> None:
         """After the reply: wait for the KV push, then commit the lease (or give it back)."""
-        if reason is not None:  # the first token ended the request: decode is not needed
-            await self._release(peer, lease_id, push)
-            return
         try:
+            if reason is not None:  # the first token ended the request: decode is not needed
+                await self._release(peer, lease_id, push)
+                return
             await push
             await peer.kv.CommitKV(kv_transfer_pb2.CommitKVRequest(
                 lease_id=lease_id, first_token_id=first.token_ids[0],
@@ -162,6 +193,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except Exception as exc:
             log.warning("KV hand-off for %s failed: %s", first.request_id, exc)
             await self._release(peer, lease_id, None)
+        finally:
+            keeper.cancel()
 
     async def _release(self, peer: _DecodePeer, lease_id: str, push) -> None:
         if push is not None:

@@ -80,3 +80,17 @@ class CommitKVRequest(_message.Message):
 class CommitKVResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class RenewLeaseResponse(_message.Message):
+    __slots__ = ("deadline_unix_ms", "ttl_ms")
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    deadline_unix_ms: int
+    ttl_ms: int
+    def __init__(self, deadline_unix_ms: _Optional[int] = ..., ttl_ms: _Optional[int] = ...) -> None: ...

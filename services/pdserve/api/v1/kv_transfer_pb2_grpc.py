@@ -49,6 +49,11 @@ class KVTransferStub:
                 request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.CommitKVRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.CommitKVResponse.FromString,
                 _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/pdserve.v1.KVTransfer/RenewLease',
+                request_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.RenewLeaseRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.RenewLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -78,6 +83,16 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLease(self, request, context):
+        """Keep an open lease alive while its prompt waits in the prefill worker's queue or
+        is still computing: its deadline moves to now + the TTL it was issued with. An
+        unknown or no longer open lease is NOT_FOUND, one past its deadline
+        FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +110,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.CommitKV,
                     request_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.CommitKVRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.CommitKVResponse.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=pdserve_dot_v1_dot_kv__transfer__pb2.RenewLeaseRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_kv__transfer__pb2.RenewLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +198,33 @@ class KVTransfer:
             '/pdserve.v1.KVTransfer/CommitKV',
             pdserve_dot_v1_dot_kv__transfer__pb2.CommitKVRequest.SerializeToString,
             pdserve_dot_v1_dot_kv__transfer__pb2.CommitKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KVTransfer/RenewLease',
+            pdserve_dot_v1_dot_kv__transfer__pb2.RenewLeaseRequest.SerializeToString,
+            pdserve_dot_v1_dot_kv__transfer__pb2.RenewLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
