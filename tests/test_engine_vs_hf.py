@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 import transformers
+from conftest import write_hf_checkpoint
 
 from pdserve.engine.attention import AttentionMetadata, PrefillSpan
 from pdserve.engine.config import ModelConfig
@@ -71,6 +72,16 @@ def test_batch_of_mixed_lengths_equals_each_alone(hf_checkpoint):
     assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
     reference = hf_model(path)
     assert batched[2].token_ids == hf_greedy(reference, prompts[2])
+
+
+def test_sliding_window_shorter_than_the_context_matches_transformers(demo_model_dir, tmp_path):
+    # The window masks keys in the prompt's prefill and in every decode step, alone and in a
+    # batch whose sequences have different lengths.
+    path = write_hf_checkpoint(tmp_path / "mistral", "mistral", demo_model_dir, sliding_window=8)
+    prompts = random_prompts([20, 5, 13], seed=9)
+    outs = LLMEngine.from_pretrained(path).generate(prompts, GREEDY_32)
+    reference = hf_model(path)
+    assert [o.token_ids for o in outs] == [hf_greedy(reference, p) for p in prompts]
 
 
 def test_chunked_prefill_equals_unchunked(demo_model_dir):

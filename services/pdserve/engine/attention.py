@@ -37,8 +37,16 @@ class DecodeBatch:
 
     token_start: int
     num_seqs: int
-    key_slots: torch.Tensor  # [num_seqs, max_context] (padding points at slot 0)
-    mask: torch.Tensor  # [num_seqs, 1, 1, max_context] bool
+    max_context: int  # keys per sequence after padding
+    # [num_seqs * max_blocks]: each sequence's first max_blocks blocks (padding: block 0).
+    # Whole blocks are gathered, not slots: one contiguous copy per block is far cheaper.
+    block_table: torch.Tensor
+    # [num_seqs, 1, 1, max_context] bool, True = may attend; None when every sequence
+    # attends to all max_context keys (no padding, no window), as at batch 1.
+    mask: torch.Tensor | None
+    # [2, num_seqs * max_blocks, block_size, kv_heads, head_dim]: where each layer gathers
+    # its K and V. Layers run one after another, so one buffer per step serves them all.
+    kv_buffer: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -68,15 +76,33 @@ def paged_attention(
         if span.key_slots is None:
             keys, values = k[rows], v[rows]
         else:
-            keys, values = layer_cache[0][span.key_slots], layer_cache[1][span.key_slots]
+            keys, values = layer_cache.index_select(1, span.key_slots).unbind(0)
         out[rows] = _sdpa(q[rows].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
                           span.mask, scale)[0]  # fmt: skip
     batch = meta.decode
     if batch is not None:
         rows = slice(batch.token_start, batch.token_start + batch.num_seqs)
-        keys, values = layer_cache[0][batch.key_slots], layer_cache[1][batch.key_slots]
-        out[rows] = _sdpa(q[rows].unsqueeze(1), keys, values, batch.mask, scale)[:, 0]
+        blocks = layer_cache.view(2, -1, *batch.kv_buffer.shape[2:])
+        kv = torch.index_select(blocks, 1, batch.block_table, out=batch.kv_buffer)
+        # K and V of every sequence: [2, num_seqs, max_context, kv_heads, head_dim]
+        kv = kv.view(2, batch.num_seqs, -1, *kv.shape[3:])[:, :, : batch.max_context]
+        out[rows] = _decode_sdpa(q[rows], kv[0], kv[1], batch.mask, scale)
     return out
+
+
+def _decode_sdpa(q, k, v, mask, scale):
+    """q: [B, H, D], k/v: [B, Lk, KVH, D] -> [B, H, D], one query token per sequence.
+
+    The query heads that share a KV head are passed as that head's query rows (GQA's
+    heads are grouped consecutively, as in HF's repeat_kv): SDPA then reads each K/V
+    once instead of once per query head, twice as fast as `enable_gqa` on CPU.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask, scale=scale)  # fmt: skip
+    return out.view(num_seqs, num_heads, head_dim)
 
 
 def _sdpa(q, k, v, mask, scale):

@@ -17,6 +17,7 @@ from safetensors import SafetensorError, safe_open
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.errors import ModelLoadError
 from pdserve.engine.models import LlamaFamilyModel
+from pdserve.engine.models.cpu_linear import can_prepack, prepack_linears
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -118,4 +119,7 @@ def load_model(
     model.rope = type(model.rope)(config.rope, config.head_dim, max_positions, dtype).to(device)
     if tied:
         model.lm_head.weight = model.embed_tokens.weight
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if can_prepack(device, dtype):
+        prepack_linears(model)
+    return model

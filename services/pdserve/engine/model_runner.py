@@ -103,25 +103,26 @@ class ModelRunner:
         return PrefillSpan(row, num_new, key_slots.to(self.device), mask.to(self.device))
 
     def _decode_batch(self, decodes: list[ScheduledRequest]) -> DecodeBatch:
-        context_lens = torch.tensor([s.start + 1 for s in decodes])
-        max_context = int(context_lens.max())
-        max_blocks = (max_context + self.block_size - 1) // self.block_size
-        table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-        for i, s in enumerate(decodes):
+        context_lens = [s.start + 1 for s in decodes]
+        max_context = max(context_lens)
+        max_blocks = -(-max_context // self.block_size)
+        # [num_seqs * max_blocks], sequence by sequence; short rows padded with block 0
+        table = []
+        for s in decodes:
             ids = s.request.block_ids[:max_blocks]
-            table[i, : len(ids)] = torch.tensor(ids)
-        key_pos = torch.arange(max_context)
-        block_of, offset = key_pos // self.block_size, key_pos % self.block_size
-        key_slots = table[:, block_of] * self.block_size + offset
-        mask = key_pos.unsqueeze(0) < context_lens.unsqueeze(1)
-        if self.sliding_window is not None:
-            mask &= key_pos.unsqueeze(0) >= (context_lens - self.sliding_window).unsqueeze(1)
-        return DecodeBatch(
-            token_start=0,
-            num_seqs=len(decodes),
-            key_slots=key_slots.to(self.device),
-            mask=mask[:, None, None, :].to(self.device),
-        )
+            table.extend(ids + [0] * (max_blocks - len(ids)))
+        window = self.sliding_window
+        mask = None
+        if min(context_lens) < max_context or (window is not None and max_context > window):
+            key_pos = torch.arange(max_context).unsqueeze(0)
+            lens = torch.tensor(context_lens).unsqueeze(1)
+            mask = key_pos < lens
+            if window is not None:
+                mask &= key_pos >= lens - window
+            mask = mask[:, None, None, :].to(self.device)
+        blocks = self.kv_cache.blocks
+        kv_buffer = blocks.new_empty((2, len(decodes) * max_blocks, *blocks.shape[3:]))
+        return DecodeBatch(0, len(decodes), max_context, self._tensor(table), mask, kv_buffer)
 
 
 def sampling_state(request: Request, device: torch.device) -> SamplingState:

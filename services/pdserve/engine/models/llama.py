@@ -1,7 +1,8 @@
 """The Llama-family decoder (Llama 2/3, Qwen2, Mistral) over a paged KV cache.
 
 Projections are fused (q/k/v into one matmul, gate/up into another) at load
-time; see `loader.py` for the mapping from Hugging Face names.
+time; see `loader.py` for the mapping from Hugging Face names. On CPU the loader
+then swaps each `nn.Linear` for a prepacked one (`cpu_linear.py`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from torch import nn
 
 from pdserve.engine.attention import AttentionMetadata, paged_attention, write_kv
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.models.rope import RotaryEmbedding
+from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary
 
 # Called with the layer index once that layer's K/V for this step are in the cache.
 LayerDoneCallback = Callable[[int], None]
@@ -28,9 +29,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 and cast back before the weight, as the HF reference does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
@@ -51,15 +51,15 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, positions, rope, layer_cache, meta: AttentionMetadata):
-        # x: [T, hidden]
+    def forward(self, x, cos, sin, layer_cache, meta: AttentionMetadata):
+        # x: [T, hidden]; cos, sin: [T, 1, head_dim]
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        # q and k lie side by side in each row, so one rotation covers both heads.
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        qk = apply_rotary(qk, cos, sin)  # [T, heads + kv_heads, head_dim]
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv(layer_cache, k, v, meta.slot_mapping)
         attn = paged_attention(q, k, v, layer_cache, meta, self.scale)
         x = x + self.o_proj(attn.reshape(num_tokens, self.q_size))
@@ -88,8 +88,9 @@ class LlamaFamilyModel(nn.Module):
         on_layer_done: LayerDoneCallback | None = None,
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         x = self.embed_tokens(input_ids)
+        cos, sin = self.rope(positions)
         for index, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rope, kv_cache[index], meta)
+            x = layer(x, cos, sin, kv_cache[index], meta)
             if on_layer_done is not None:
                 on_layer_done(index)
         return self.norm(x)

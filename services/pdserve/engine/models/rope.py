@@ -44,17 +44,22 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = inverse_frequencies(rope, head_dim)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        sin = emb.sin()
+        half = head_dim // 2
+        # The first half negated: HF rotates as x * cos + cat(-x2, x1) * sin, and
+        # cat(x2, x1) * cat(-sin1, sin2) is bit for bit the same with one op fewer.
+        sin[:, :half] = -sin[:, :half]
         self.register_buffer("cos", emb.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype), persistent=False)
+        self.register_buffer("signed_sin", sin.to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, heads, D], k: [T, kv_heads, D]; rotated in the HF (half-split) convention."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin of each position, [T, 1, D]: gathered once per step, not per layer."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] rotated in the HF (half-split) convention; cos/sin from `forward`."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    # In place where that is exact: HF's x * cos + rotated * sin, one temporary fewer.
+    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(signed_sin)
+    return rotated.add_(x * cos)
