@@ -19,7 +19,7 @@ all of them, and reports medians and the CPU time both processes spent per GB (o
 2-core machine that, more than latency, sets the ceiling). A sweep of message size
 and stream count (shorter runs) shows why the defaults are what they are. Both
 processes call ``keep_freed_memory()`` as the workers should (``--no-keep-freed-memory``
-to see without). crc32 comes from ISA-L when the ``isal`` package is installed.
+to see without). crc32 is ``pdserve.kv.checksum``'s (ISA-L), as in the workers.
 
     .venv/bin/python bench/kv_transfer_bench.py [--quick] [--rounds N] [--prompt-tokens N]
 """
@@ -35,7 +35,6 @@ import socket
 import statistics
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +44,7 @@ import numpy as np
 
 from pdserve.api.v1.kv_transfer_pb2_grpc import add_KVTransferServicer_to_server
 from pdserve.engine.kv_cache import KVLayerChunk
-from pdserve.kv import codec
+from pdserve.kv.checksum import crc32
 from pdserve.kv.transfer import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_NUM_STREAMS,
@@ -139,7 +138,7 @@ def make_layers(prompt_tokens: int, seed: int = 0) -> list[KVLayerChunk]:
     layers = []
     for layer in range(NUM_LAYERS):
         data = rng.standard_normal(shape, dtype=np.float32).tobytes()
-        layers.append(KVLayerChunk(layer, "float32", shape, data, zlib.crc32(data)))
+        layers.append(KVLayerChunk(layer, "float32", shape, data, crc32(data)))
     return layers
 
 
@@ -340,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         layers = make_layers(args.prompt_tokens)
         print(
             f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-            f"grpcio {grpc.__version__}, crc32 from {codec.crc32.__module__}, "
+            f"grpcio {grpc.__version__}, crc32 from {crc32.__module__}, "
             f"keep_freed_memory={args.keep_memory}\n"
         )
         clock = Clock(receiver.pid)

@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from pdserve.api.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from pdserve.engine import kv_cache
 from pdserve.engine.kv_cache import KVLayerChunk
+from pdserve.kv import checksum, codec, transfer
 from pdserve.kv.codec import decode_message, encode_message, split_messages
 from pdserve.kv.transfer import (
     KVChecksumError,
@@ -273,3 +275,20 @@ def test_splitting_below_one_block_is_refused():
     layer = make_layer(0, num_blocks=2)
     with pytest.raises(ValueError, match="less than one block"):
         list(split_messages("lease", 0, layer, KV_BLOCK_BYTES - 1))
+
+
+# -- the checksum -------------------------------------------------------------------------
+
+
+def test_the_kv_checksum_gives_zlibs_crc32_values():
+    # Chunks checksummed with zlib (a peer on an older release, these tests) must verify.
+    data = np.random.default_rng(0).bytes(3 * 1024 * 1024 + 7)
+    view = memoryview(data)[5:]
+    assert checksum.crc32(data) == zlib.crc32(data)
+    assert checksum.crc32(view) == zlib.crc32(view)
+    assert checksum.crc32(view[1000:], checksum.crc32(view[:1000])) == zlib.crc32(view)
+    assert checksum.crc32(b"") == zlib.crc32(b"") == 0
+
+
+def test_engine_codec_and_receiver_use_the_one_checksum_function():
+    assert kv_cache.crc32 is codec.crc32 is transfer.crc32 is checksum.crc32

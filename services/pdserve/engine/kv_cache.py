@@ -9,13 +9,13 @@ streams them layer by layer). Bytes are the tensor's own memory: never pickle.
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 
 import torch
 
 from pdserve.engine.config import CUDA_KV_CACHE_FRACTION, DEFAULT_CPU_KV_CACHE_BYTES, ModelConfig
 from pdserve.engine.errors import KVChunkError
+from pdserve.kv.checksum import crc32
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
@@ -71,7 +71,7 @@ class KVCache:
         tensor = self.blocks[layer].index_select(1, index).cpu().contiguous()
         data = tensor.view(torch.uint8).numpy().tobytes()
         return KVLayerChunk(layer, _DTYPE_NAMES[self.dtype], tuple(tensor.shape), data,
-                            zlib.crc32(data))  # fmt: skip
+                            crc32(data))  # fmt: skip
 
     def import_layer(self, chunk: KVLayerChunk, block_ids: list[int]) -> None:
         """Write a chunk into our blocks ``block_ids`` (as many as the chunk holds)."""
@@ -87,7 +87,7 @@ class KVCache:
                 f"KV chunk of layer {chunk.layer} holds {len(chunk.data)} bytes, "
                 f"expected {expected_bytes}"
             )
-        if zlib.crc32(chunk.data) != chunk.checksum:
+        if crc32(chunk.data) != chunk.checksum:
             raise KVChunkError(f"KV chunk of layer {chunk.layer} fails its checksum", corrupt=True)
         flat = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8)
         tensor = flat.view(_DTYPES[chunk.dtype]).view(expected).to(self.device)

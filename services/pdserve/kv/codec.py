@@ -16,11 +16,7 @@ from typing import NamedTuple
 
 from pdserve.api.v1 import kv_transfer_pb2
 from pdserve.engine.kv_cache import KVLayerChunk
-
-try:  # ISA-L's crc32 is zlib's function (same values), over 10x faster on x86-64
-    from isal.isal_zlib import crc32
-except ImportError:
-    from zlib import crc32
+from pdserve.kv.checksum import crc32
 
 _DATA_FIELD = kv_transfer_pb2.KVChunk.DESCRIPTOR.fields_by_name["data"].number
 _WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5

@@ -29,10 +29,10 @@ import grpc
 
 from pdserve.api.v1 import kv_transfer_pb2
 from pdserve.engine.kv_cache import KVLayerChunk
+from pdserve.kv.checksum import crc32
 from pdserve.kv.codec import (
     HEADER_ALLOWANCE_BYTES,
     ReceivedChunk,
-    crc32,
     decode_message,
     from_proto,
     split_messages,
