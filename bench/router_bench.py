@@ -25,7 +25,10 @@ their CPU share are printed with the figures).
    not) and every other process's CPU per token for context.
 
     .venv/bin/python bench/router_bench.py [--quick] [--model-dir DIR] [--profile PATH]
+        [--stream-interval TOKENS]
 
+`--stream-interval N` starts the routers with it: decode workers then send N tokens
+per message (the first and last at once), and the router relays N at a time.
 `--profile PATH` runs only the relay part with the router under cProfile (written to
 PATH when it exits) and prints its top functions. Profiling slows the router; read it
 for where the time goes, not for the throughput.
@@ -205,10 +208,12 @@ def spawn_worker(role: str, model_dir: Path, log_dir: Path, index: int) -> Child
 
 
 def spawn_router(name: str, model_dir: Path, redis_url: str, prefill: list[str],
-                 decode: list[str], log_dir: Path, profile: Path | None = None):  # fmt: skip
+                 decode: list[str], log_dir: Path, profile: Path | None = None,
+                 stream_interval: int = 1):  # fmt: skip
     args = ["router", "--model", str(model_dir), "--redis-url", redis_url, "--port", "0",
             "--discovery", "static", "--prefill", ",".join(prefill),
-            "--decode", ",".join(decode), "--max-inflight", "1024"]  # fmt: skip
+            "--decode", ",".join(decode), "--max-inflight", "1024",
+            "--stream-interval", str(stream_interval)]  # fmt: skip
     if profile is None:
         return spawn(name, args, str(log_dir))
     # spawn() runs `python -m pdserve`; the profiled router runs under `-m cProfile`.
@@ -345,13 +350,14 @@ async def bench_overhead(router_address: str, router_pid: int, prefill_address: 
 
 
 async def relay_streams(router: router_pb2_grpc.RouterStub, num_streams: int,
-                        num_requests: int, sampling, rng: random.Random) -> int:  # fmt: skip
-    """Run num_requests streaming requests, num_streams at a time; the tokens received."""
+                        num_requests: int, sampling,
+                        rng: random.Random) -> tuple[int, int]:  # fmt: skip
+    """Run num_requests streaming requests, num_streams at a time; (tokens, messages) received."""
     remaining = num_requests
-    received = 0
+    received = num_messages = 0
 
     async def client() -> None:
-        nonlocal remaining, received
+        nonlocal remaining, received, num_messages
         while remaining > 0:
             remaining -= 1
             request = router_pb2.GenerateRequest(
@@ -360,9 +366,10 @@ async def relay_streams(router: router_pb2_grpc.RouterStub, num_streams: int,
             )  # fmt: skip
             async for message in router.Generate(request):
                 received += len(message.token_ids)
+                num_messages += 1
 
     await asyncio.gather(*(client() for _ in range(num_streams)))
-    return received
+    return received, num_messages
 
 
 async def bench_relay(router_address: str, pids: dict[str, int], w: Workload,
@@ -372,7 +379,8 @@ async def bench_relay(router_address: str, pids: dict[str, int], w: Workload,
         router = router_pb2_grpc.RouterStub(channel)
         await relay_streams(router, w.relay_streams, w.relay_streams, sampling, rng)  # warm-up
         with CpuWindow(pids) as window:
-            tokens = await relay_streams(router, w.relay_streams, w.relay_requests, sampling, rng)
+            tokens, num_messages = await relay_streams(router, w.relay_streams, w.relay_requests,
+                                                       sampling, rng)  # fmt: skip
     expected = w.relay_requests * w.relay_new_tokens
     if tokens != expected:
         raise RuntimeError(f"relayed {tokens} tokens, expected {expected}")
@@ -392,6 +400,8 @@ async def bench_relay(router_address: str, pids: dict[str, int], w: Workload,
                f"{tokens / window.wall_s:,.0f} tokens/s ({tokens:,} tokens in "
                f"{window.wall_s:.1f} s)"),
         Result("relay: router core use", f"{share:.0%} of one core ({saturated})"),
+        # several per message when the router or its client falls behind (coalesced)
+        Result("relay: tokens per message to the client", f"{tokens / num_messages:.2f}"),
         Result("relay: CPU µs per token, by process", breakdown),
     ], window  # fmt: skip
 
@@ -438,12 +448,20 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PATH",
         help="only the relay part, its router under cProfile writing PATH",
     )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        metavar="TOKENS",
+        help="the routers' --stream-interval: tokens per decode-worker message (default 1)",
+    )
     args = parser.parse_args(argv)
     w = QUICK if args.quick else FULL
     rng = random.Random(PROMPT_SEED)
     began = time.perf_counter()
     pin(os.getpid(), OTHERS_CORE)
     print(machine_line())
+    print(f"routers run with --stream-interval {args.stream_interval}")
     print(f"load average at start: {loadavg()}")
     with (
         tempfile.TemporaryDirectory(prefix="pdserve-router-bench-") as tmp,
@@ -453,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def router(name: str, decode_addresses: list[str], profile: Path | None = None):
             child = spawn_router(name, model_dir, redis_server.url, [prefill.address],
-                                 decode_addresses, Path(tmp), profile)  # fmt: skip
+                                 decode_addresses, Path(tmp), profile,
+                                 args.stream_interval)  # fmt: skip
             return started(child, ROUTER_CORE)
 
         results: list[Result] = []

@@ -162,14 +162,14 @@ def test_invalid_request_raises_pdserve_error_naming_the_field(client):
     error = caught.value
     assert error.code == grpc.StatusCode.INVALID_ARGUMENT
     [(field, description)] = error.field_violations
-    assert field == "sampling_params.top_p" and "2.0" in description
+    assert field == "sampling.top_p" and "2.0" in description
     assert error.retry_after is None
 
 
 def test_streaming_errors_are_pdserve_errors_too(client):
     with pytest.raises(PdserveError) as caught:
         list(client.stream(PROMPT, BAD_TOP_P))
-    assert caught.value.field_violations[0][0] == "sampling_params.top_p"
+    assert caught.value.field_violations[0][0] == "sampling.top_p"
 
 
 async def test_async_errors_are_pdserve_errors(cluster):
@@ -216,7 +216,7 @@ def test_generate_command_error_is_one_line_and_exit_code_1(cluster, capsys):
     )
     assert code == 1 and out == ""
     assert err.count("\n") == 1
-    assert "INVALID_ARGUMENT" in err and "sampling_params.top_p" in err
+    assert "INVALID_ARGUMENT" in err and "sampling.top_p" in err
 
 
 def test_status_from_the_registry_lists_the_worker(cluster, capsys):
@@ -247,4 +247,4 @@ def test_the_commands_as_processes(cluster, expected):
     assert cluster["worker"] in {w["address"] for w in json.loads(listed.stdout)}
     failed = run_pdserve("generate", PROMPT, "--router", cluster["router"], "--top-p", "2")
     assert failed.returncode == 1 and "Traceback" not in failed.stderr
-    assert "sampling_params.top_p" in failed.stderr
+    assert "sampling.top_p" in failed.stderr

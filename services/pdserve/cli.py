@@ -105,6 +105,14 @@ def _add_router(subcommands: argparse._SubParsersAction) -> None:
     )
     cmd.add_argument("--max-inflight", type=int, default=256)
     cmd.add_argument("--lease-ttl-ms", type=int, default=10_000)
+    cmd.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        metavar="TOKENS",
+        help="decode workers send tokens once this many wait (the first and last at once); "
+        "more: less router CPU per token, burstier streams",
+    )
     cmd.set_defaults(run=_run_router)  # fmt: skip
 
 
@@ -137,6 +145,7 @@ def _run_router(args: argparse.Namespace) -> int:
             colocate_max_prompt_tokens=max(args.colocate_below, 1),
             max_inflight=args.max_inflight,
             lease_ttl_ms=args.lease_ttl_ms,
+            stream_interval=args.stream_interval,
         )
     )
 

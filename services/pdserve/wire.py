@@ -74,16 +74,54 @@ def logprobs_from_proto(msg: common_pb2.PositionLogprobs) -> TokenLogprobs:
     )
 
 
-def delta_to_proto(delta: RequestOutput, num_output_tokens: int) -> decode_pb2.TokenDelta:
-    """A step's output as a TokenDelta; usage rides on the final one only."""
+def deltas_to_proto(deltas: list[RequestOutput], num_output_tokens: int) -> decode_pb2.TokenDelta:
+    """Consecutive step outputs of one request as one TokenDelta; usage rides on the final one.
+
+    `num_output_tokens` counts every output token up to the last of `deltas`. Several
+    outputs get `text_ends` (see decode.proto), so dropping leading tokens keeps the
+    text of the rest exact; one output needs none, its text being its tokens'.
+    """
+    last = deltas[-1]
+    if len(deltas) == 1:
+        token_ids, text, logprobs, text_ends = last.token_ids, last.text, last.logprobs, ()
+    else:
+        token_ids, text_ends, logprobs, pieces, length = [], [], [], [], 0
+        for delta in deltas:
+            pieces.append(delta.text)
+            length += len(delta.text)
+            if delta.token_ids:
+                # the output's text completes its last token (earlier ones end before it)
+                text_ends.extend([length - len(delta.text)] * (len(delta.token_ids) - 1))
+                text_ends.append(length)
+                token_ids.extend(delta.token_ids)
+            logprobs.extend(delta.logprobs or ())
+        text = "".join(pieces)
     msg = decode_pb2.TokenDelta(
-        token_ids=delta.token_ids,
-        text=delta.text,
-        logprobs=[logprobs_to_proto(lp) for lp in delta.logprobs or ()],
-        finish_reason=FINISH_REASONS[delta.finish_reason if delta.finished else None],
+        token_ids=token_ids,
+        text=text,
+        logprobs=[logprobs_to_proto(lp) for lp in logprobs or ()],
+        finish_reason=FINISH_REASONS[last.finish_reason if last.finished else None],
+        text_ends=text_ends,
     )
-    if delta.finished:
-        msg.usage.prompt_tokens = len(delta.prompt_token_ids)
+    if last.finished:
+        msg.usage.prompt_tokens = len(last.prompt_token_ids)
         msg.usage.completion_tokens = num_output_tokens
-        msg.usage.cached_prompt_tokens = delta.num_cached_tokens
+        msg.usage.cached_prompt_tokens = last.num_cached_tokens
     return msg
+
+
+def drop_first_tokens(delta: decode_pb2.TokenDelta, count: int) -> None:
+    """Remove the first `count` tokens, their logprobs and the text they completed.
+
+    For a retry that regenerates tokens the caller already has (see `text_ends`).
+    """
+    ends = delta.text_ends
+    cut = ends[count - 1] if ends else (len(delta.text) if count == len(delta.token_ids) else 0)
+    del delta.token_ids[:count]
+    del delta.logprobs[:count]
+    if ends:
+        remaining = [end - cut for end in ends[count:]]
+        del delta.text_ends[:]
+        delta.text_ends.extend(remaining)
+    if cut:
+        delta.text = delta.text[cut:]

@@ -35,6 +35,7 @@ from pdserve.router.policy import (
 )
 from pdserve.rpc_errors import UnavailableError
 from pdserve.state.registry import WorkerInfo
+from pdserve.wire import drop_first_tokens
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +48,19 @@ RETRYABLE_CODES = frozenset({
     grpc.StatusCode.INTERNAL,         # a worker's engine step failed
 })  # fmt: skip
 FINISHED = common_pb2.FINISH_REASON_UNSPECIFIED
+# Retries wait a random time, growing from 0.05 s up to 0.5 s: spread out, so the retries
+# of the requests one dead worker held do not all arrive at once.
+RETRY_BACKOFF_BASE_S = 0.05
+RETRY_BACKOFF_MAX_S = 0.5
 
 
 def _retryable(exc: BaseException) -> bool:
     return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in RETRYABLE_CODES
+
+
+def _log_retry(state) -> None:
+    exc = state.outcome.exception()
+    log.info("attempt %d failed (%s), retrying", state.attempt_number, exc.code().name)
 
 
 @dataclass
@@ -72,6 +82,29 @@ class Progress:
             setattr(self, name, value)
         if self.on_change is not None:
             self.on_change(self)
+
+
+class DeliveredTokens:
+    """The tokens a caller has, so that a retry's regenerated stream adds only new ones."""
+
+    def __init__(self) -> None:
+        self.num_tokens = 0  # delivered, in all attempts
+        self._num_seen = 0  # tokens of the current attempt so far
+
+    def new_attempt(self) -> None:
+        self._num_seen = 0
+
+    def keep_new(self, delta: decode_pb2.TokenDelta) -> bool:
+        """Strip the tokens (and their text) the caller has; False: nothing left to send."""
+        num_tokens = len(delta.token_ids)
+        num_old = min(max(self.num_tokens - self._num_seen, 0), num_tokens)
+        self._num_seen += num_tokens
+        if num_old:
+            drop_first_tokens(delta, num_old)
+            if not (delta.token_ids or delta.text) and delta.finish_reason == FINISHED:
+                return False
+        self.num_tokens = max(self.num_tokens, self._num_seen)
+        return True
 
 
 class ChannelPool:
@@ -99,6 +132,7 @@ class RunnerConfig:
     block_size: int = 16
     lease_ttl_ms: int = 10_000
     max_attempts: int = 3
+    stream_interval: int = 1  # tokens per decode message (see decode.proto StreamRequest)
     colocation: ColocationRule = field(default_factory=ColocationRule)
 
 
@@ -119,26 +153,21 @@ class RequestRunner:
         timeout: float | None = None,
     ) -> AsyncIterator[decode_pb2.TokenDelta]:
         """The request's deltas, exactly once each, across retries."""
-        delivered = 0
+        delivered = DeliveredTokens()
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.config.max_attempts),
-            wait=wait_random_exponential(multiplier=0.05, max=0.5),
+            wait=wait_random_exponential(multiplier=RETRY_BACKOFF_BASE_S, max=RETRY_BACKOFF_MAX_S),
             retry=retry_if_exception(_retryable),
+            before_sleep=_log_retry,
             reraise=True,
         )
         async for attempt in retrying:
             with attempt:
                 progress.set(attempts=progress.attempts + 1)
-                seen = 0
+                delivered.new_attempt()
                 async for delta in self._attempt(request_id, prompt, sampling, progress, timeout):
-                    num_old = min(max(delivered - seen, 0), len(delta.token_ids))
-                    seen += len(delta.token_ids)
-                    if num_old:  # regenerated after a retry: the caller has these already
-                        if num_old == len(delta.token_ids) and delta.finish_reason == FINISHED:
-                            continue
-                        _drop_first_tokens(delta, num_old)
-                    delivered = max(delivered, seen)
-                    yield delta
+                    if delivered.keep_new(delta):
+                        yield delta
 
     async def _attempt(self, request_id, prompt, sampling, progress, timeout):
         blocks_needed = -(-(len(prompt) + sampling.max_tokens) // self.config.block_size)
@@ -159,8 +188,9 @@ class RequestRunner:
         decode, lease = await self._admit(decodes, request_id, prompt, sampling, progress, timeout)
         self.dispatches.record(decode.address, blocks_needed)
         decode_stub = decode_pb2_grpc.DecodeStub(self.channels.get(decode.address))
-        stream = decode_stub.Stream(decode_pb2.StreamRequest(lease_id=lease.lease_id),
-                                    timeout=timeout)  # fmt: skip
+        stream = decode_stub.Stream(decode_pb2.StreamRequest(
+            lease_id=lease.lease_id, stream_interval=self.config.stream_interval,
+        ), timeout=timeout)  # fmt: skip
         try:
             first = await self._prefill(hashes, request_id, prompt, sampling, decode, lease,
                                         progress, timeout)  # fmt: skip
@@ -240,6 +270,7 @@ class RequestRunner:
                      decode_worker=worker.address, admitted_at=time.monotonic())  # fmt: skip
         call = stub.Generate(decode_pb2.LocalGenerateRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+            stream_interval=self.config.stream_interval,
         ), timeout=timeout)  # fmt: skip
         try:
             async for delta in call:
@@ -249,12 +280,3 @@ class RequestRunner:
                 yield delta
         finally:
             call.cancel()
-
-
-def _drop_first_tokens(delta: decode_pb2.TokenDelta, count: int) -> None:
-    """Remove tokens already delivered (deltas carry one token each, so text goes too)."""
-    all_old = count == len(delta.token_ids)
-    del delta.token_ids[:count]
-    del delta.logprobs[:count]
-    if all_old:
-        delta.text = ""

@@ -55,6 +55,7 @@ class RouterConfig:
     max_inflight: int = 256
     lease_ttl_ms: int = 10_000
     max_attempts: int = 3
+    stream_interval: int = 1  # tokens per decode message (see decode.proto StreamRequest)
     grace_s: float = 30.0
     router_id: str = field(default_factory=lambda: "router-" + uuid.uuid4().hex[:8])
 
@@ -65,6 +66,8 @@ class RouterConfig:
             raise ValueError("static discovery needs --prefill and --decode (or --both) addresses")
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
 
 
 def make_discovery(config: RouterConfig):
@@ -93,6 +96,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         discovery, make_prefill_policy(config.prefill_policy), MostFreeDecode(), channels,
         RunnerConfig(
             block_size=16, lease_ttl_ms=config.lease_ttl_ms, max_attempts=config.max_attempts,
+            stream_interval=config.stream_interval,
             colocation=ColocationRule(enabled=config.colocate,
                                       max_prompt_tokens=config.colocate_max_prompt_tokens),
         ),

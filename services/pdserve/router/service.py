@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 
 from pdserve.api.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.api.v1.decode_pb2 import TokenDelta
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.errors import InvalidRequestError, KVCapacityError, UnknownRequestError
 from pdserve.engine.tokenizer import Tokenizer
@@ -27,6 +28,8 @@ _PHASES = {
     "transferring": RequestStatus.TRANSFERRING,
     "decoding": RequestStatus.DECODING,
 }
+# The sampling parameters' field path: as the engine names it, and in the public API.
+_ENGINE_SAMPLING, PUBLIC_SAMPLING = "sampling_params", "sampling"
 TERMINAL = frozenset({RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED})
 
 
@@ -62,8 +65,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(self, request, context):
         received = time.monotonic()
         prompt = self._prompt(request)
-        params = sampling_params_from_proto(request.sampling)
-        check_request(prompt, params, self.model_config.vocab_size, self.max_model_len)
+        params = self._checked_params(request.sampling, prompt)
         request_id = request.request_id or uuid.uuid4().hex
         offset = request.resume_from if request.HasField("resume_from") else 0
         if request.request_id:
@@ -101,18 +103,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.running[request_id] = _Running(task, progress)
         offset, collected = 0, router_pb2.GenerateResponse(request_id=request_id)
         try:
-            while True:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                message = self._response(request_id, offset, item, received, progress)
-                offset += len(item.token_ids)
-                if stream:
-                    yield message
-                else:
-                    _merge(collected, message)
-                if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    break
+            finished = False
+            while not finished:
+                delta, error = _take_waiting(await queue.get(), queue)
+                if delta is not None:
+                    message = self._response(request_id, offset, delta, received, progress)
+                    offset += len(delta.token_ids)
+                    if stream:
+                        yield message
+                    else:
+                        _merge(collected, message)
+                    finished = message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                if error is not None:
+                    raise error
             if not stream:
                 yield collected
         except (asyncio.CancelledError, GeneratorExit):  # the client went away (mid-send: exit)
@@ -143,7 +146,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request_id=request_id, offset=offset, token_ids=delta.token_ids, text=delta.text,
             logprobs=delta.logprobs, finish_reason=delta.finish_reason,
         )  # fmt: skip
-        self.store.append_tokens(request_id, list(delta.token_ids), delta.text)
+        self.store.append_tokens(request_id, delta.token_ids, delta.text)
         if delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             message.usage.CopyFrom(delta.usage)
             message.usage.completion_tokens = offset + len(delta.token_ids)
@@ -159,12 +162,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return message
 
     def _record_progress(self, request_id: str, progress: Progress) -> None:
+        # A Redis write per phase change would cost the router more CPU per request than
+        # its tokens: the brief ones ride the next checkpoint; "decoding" (which worker
+        # holds the request from now on) goes out at once, without waiting.
         status = _PHASES.get(progress.phase)
         if status is not None:
-            asyncio.create_task(self.store.update(
-                request_id, status=status, prefill_worker=progress.prefill_worker,
-                decode_worker=progress.decode_worker,
-            ))  # fmt: skip
+            self.store.update_later(request_id, status=status,
+                                    prefill_worker=progress.prefill_worker,
+                                    decode_worker=progress.decode_worker,
+                                    soon=status is RequestStatus.DECODING)  # fmt: skip
 
     async def _replay(self, request_id: str, offset: int, stream: bool):
         """Re-attach to a request (any router's) from `offset`, following it to its end."""
@@ -262,6 +268,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             eos_token_ids=sorted(self.tokenizer.eos_token_ids),
         )  # fmt: skip
 
+    def _checked_params(self, sampling: common_pb2.SamplingParams, prompt: list[int]):
+        """The request's sampling parameters, validated; errors name the public field."""
+        try:
+            params = sampling_params_from_proto(sampling)
+            check_request(prompt, params, self.model_config.vocab_size, self.max_model_len)
+        except InvalidRequestError as exc:
+            # The engine names SamplingParams' fields; callers know them as `sampling`.
+            if not exc.field.startswith(_ENGINE_SAMPLING):
+                raise
+            field = PUBLIC_SAMPLING + exc.field.removeprefix(_ENGINE_SAMPLING)
+            raise InvalidRequestError(field, exc.message) from exc
+        return params
+
     def _prompt(self, request) -> list[int]:
         which = request.WhichOneof("prompt")
         if which == "text":
@@ -274,10 +293,29 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         raise InvalidRequestError("prompt", "set prompt.text or prompt.token_ids")
 
 
-def _aborted():
-    from pdserve.api.v1 import decode_pb2
+def _aborted() -> TokenDelta:
+    return TokenDelta(finish_reason=common_pb2.FINISH_REASON_ABORT)
 
-    return decode_pb2.TokenDelta(finish_reason=common_pb2.FINISH_REASON_ABORT)
+
+def _take_waiting(first, queue: asyncio.Queue) -> tuple[TokenDelta | None, BaseException | None]:
+    """`first` merged with the deltas already waiting behind it, up to a final one or an
+    error (returned, to raise once the merged delta went out).
+
+    One message for all of them: when the client falls behind, it pays per message.
+    """
+    if isinstance(first, BaseException):
+        return None, first
+    while first.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED and not queue.empty():
+        part = queue.get_nowait()
+        if isinstance(part, BaseException):
+            return first, part
+        first.token_ids.extend(part.token_ids)
+        first.text += part.text
+        first.logprobs.extend(part.logprobs)
+        first.finish_reason = part.finish_reason
+        if part.HasField("usage"):
+            first.usage.CopyFrom(part.usage)
+    return first, None
 
 
 def _merge(into: router_pb2.GenerateResponse, part: router_pb2.GenerateResponse) -> None:

@@ -5,7 +5,8 @@ Several routers share one Redis. The router that runs a request is its only writ
 `read_tokens`, `follow`), so a client can re-attach through another router from a
 token offset, even while the request still runs.
 
-Keys (prefix `pdserve` by default), both expiring ttl_s after the last write:
+Keys (prefix `pdserve` by default), both expiring ttl_s after a request's last write
+(while it runs, the stream's expiry is renewed every ttl_s / 2, not on every write):
 
     {prefix}:req:{id}      string, the RequestRecord as JSON; created with SET NX
     {prefix}:tokens:{id}   stream of checkpoint entries, oldest first
@@ -21,11 +22,14 @@ text they completed). Its fields:
 `finish` ends the stream with an entry whose `seq` and `offset` count all deltas and
 tokens and whose `end` holds the terminal status.
 
-Writes are batched: `append_tokens` only buffers, and a background task writes every
-request with something new in ONE MULTI/EXEC round trip, every checkpoint_interval_s
-or as soon as one request has checkpoint_tokens buffered. A request's record is
-written whole in the same transaction as its new entries, so no reader sees a status
-or a count ahead of the stream: once a record is terminal its end entry is there.
+Writes are batched: `append_tokens` and `update_later` only buffer, and a background
+task writes the requests that are due in ONE MULTI/EXEC round trip. A request is due
+once it has checkpoint_tokens buffered, when it finishes or an `update` waits, and
+otherwise when its oldest unwritten change is one to two checkpoint_interval_s old (the
+task looks every interval). So each write carries many tokens, however many requests
+run. A request's record is written whole in the same transaction as its new entries,
+so no reader sees a status or a count ahead of the stream: once a record is terminal
+its end entry is there.
 
 Resume. Reading from token offset k gives every token from k on, the text of each
 delta that holds one of them, and the text of token-less deltas at position k or later
@@ -78,6 +82,9 @@ FOLLOW_BLOCK_S = 0.25
 RETRY_INTERVAL_S = 0.25
 # update/finish/flush wait at most this long for their write to land
 FLUSH_WAIT_S = 2.0
+# How long a running request's new tokens may wait for their checkpoint (about; up to
+# twice this). Readers following a running request lag by as much.
+CHECKPOINT_INTERVAL_S = 0.25
 # close() keeps trying to write what is buffered for at most this long
 CLOSE_FLUSH_TIMEOUT_S = 2.0
 MAX_BUFFERED_DELTAS = 65_536
@@ -142,7 +149,9 @@ class RequestRecord:
         return self.status.is_terminal
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+        # Every field is a plain value (status a str), so no dataclasses.asdict deep copy.
+        fields = {name: getattr(self, name) for name in _RECORD_FIELD_NAMES}
+        return json.dumps(fields, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, data: bytes | str) -> RequestRecord:
@@ -151,7 +160,8 @@ class RequestRecord:
         return cls(**{name: value for name, value in fields.items() if name in _RECORD_FIELDS})
 
 
-_RECORD_FIELDS = frozenset(f.name for f in dataclasses.fields(RequestRecord))
+_RECORD_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(RequestRecord))
+_RECORD_FIELDS = frozenset(_RECORD_FIELD_NAMES)
 _UPDATABLE = _RECORD_FIELDS - {"request_id", "created_at", "updated_at"}
 
 
@@ -166,9 +176,15 @@ class _Writer:
     seq: int = 0
     offset: int = 0  # the token offset of ids[0]
     num_buffered_tokens: int = 0
+    num_writing: int = 0  # of those, the tokens of the write in flight
     version: int = 0  # bumped on every change of the record
     written_version: int = 0
     finished: bool = False  # the end entry goes out with the last deltas
+    due: bool = False  # write at the next cycle, whatever its age
+    # when a write cycle first saw it dirty (0.0: clean, or not seen yet); monotonic
+    dirty_seen_at: float = 0.0
+    # the stream's expiry is set again by the first write from then on (unix seconds)
+    renew_expiry_at: float = 0.0
 
     @property
     def is_dirty(self) -> bool:
@@ -270,7 +286,7 @@ class RequestStore:
     """Request records and token checkpoints in Redis (layout in the module docstring)."""
 
     def __init__(self, redis_url: str, *, ttl_s: float = 3600, checkpoint_tokens: int = 32,
-                 checkpoint_interval_s: float = 0.05, key_prefix: str = "pdserve",
+                 checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S, key_prefix: str = "pdserve",
                  max_buffered_deltas: int = MAX_BUFFERED_DELTAS):  # fmt: skip
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
@@ -353,16 +369,35 @@ class RequestStore:
         Returns once the write landed, or at once, the write queued, while Redis does not
         answer. False, with nothing written, if the request is not running here.
         """
+        writer = self._set_fields(request_id, fields)
+        if writer is None:
+            return False
+        writer.due = True
+        await self._wait_written()
+        return True
+
+    def update_later(self, request_id: str, *, soon: bool = False, **fields) -> bool:
+        """Like `update`, but without waiting: the fields land with the request's next
+        checkpoint, or with the next write cycle (started now) if `soon`.
+
+        For progress reports on the hot path: most cost no Redis write of their own.
+        """
+        writer = self._set_fields(request_id, fields)
+        if writer is not None and soon:
+            writer.due = True
+            self._wake.set()
+        return writer is not None
+
+    def _set_fields(self, request_id: str, fields: dict) -> _Writer | None:
         if "status" in fields and RequestStatus(fields["status"]).is_terminal:
             raise ValueError("a terminal status is set by finish()")
         writer = self._running_writer(request_id)
         if writer is None:  # e.g. a progress report racing the request's end
             log.debug("update of request %s, which is not running here: ignored", request_id)
-            return False
+            return None
         _assign(writer.record, fields)
         writer.version += 1
-        await self._wait_written()
-        return True
+        return writer
 
     def append_tokens(self, request_id: str, token_ids: list[int], text: str) -> None:
         """Buffer one delta (no Redis call); the background writer checkpoints it.
@@ -381,7 +416,9 @@ class RequestStore:
         if num_tokens and not writer.record.first_token_at:
             writer.record.first_token_at = time.time()
         writer.version += 1
-        if writer.num_buffered_tokens >= self.checkpoint_tokens:
+        num_waiting = writer.num_buffered_tokens - writer.num_writing
+        if num_waiting >= self.checkpoint_tokens and not writer.due:
+            writer.due = True
             self._wake.set()
 
     async def finish(self, request_id: str, status: RequestStatus, finish_reason: str,
@@ -403,6 +440,7 @@ class RequestStore:
         if not writer.record.finished_at:
             writer.record.finished_at = time.time()
         writer.finished = True
+        writer.due = True
         writer.version += 1
         await self._wait_written()
         return True
@@ -410,6 +448,12 @@ class RequestStore:
     async def flush(self) -> bool:
         """Write everything buffered now. True if it landed; False if Redis did not take it
         (it stays buffered) or the wait ran past FLUSH_WAIT_S."""
+        for writer in self._writers.values():
+            writer.due = True
+        return await self._next_cycle()
+
+    async def _next_cycle(self) -> bool:
+        """Start a write cycle now and wait for it; whether it landed (see `flush`)."""
         if self._task is None:
             raise RuntimeError("RequestStore.start() was not called")
         cycle = self._cycle
@@ -426,7 +470,7 @@ class RequestStore:
     async def _wait_written(self) -> None:
         # While Redis does not answer, the write stays queued and the stream goes on.
         if self._reachable:
-            await self.flush()
+            await self._next_cycle()
 
     # -- the background writer ----------------------------------------------------------------
 
@@ -456,14 +500,16 @@ class RequestStore:
             self._reachable = False
             for writer in self._writers.values():
                 self._drop_oldest(writer)
+                writer.renew_expiry_at = 0.0  # Redis may come back empty: set it again
+                writer.num_writing = 0
             return
         if not self._reachable:
             log.warning("Redis reachable again: buffered request state written")
         self._reachable = True
 
     async def _write_dirty(self) -> None:
-        """Every request with something new, in one transaction (one round trip)."""
-        batch = [writer for writer in self._writers.values() if writer.is_dirty]
+        """Every request that is due, in one transaction (one round trip)."""
+        batch = self._due_writers()
         if not batch:
             return
         now = time.time()
@@ -472,6 +518,21 @@ class RequestStore:
             await pipe.execute()
         for writer, what in zip(batch, written, strict=True):
             self._landed(writer, what)
+
+    def _due_writers(self) -> list[_Writer]:
+        """The writers to write now; marks the dirty ones not due yet as seen."""
+        now = time.monotonic()
+        # seen by an earlier cycle, normally the previous tick (half: that tick may be early)
+        old_enough = now - self.checkpoint_interval_s / 2
+        due = []
+        for writer in self._writers.values():
+            if not writer.is_dirty:
+                continue
+            if writer.due or not self._reachable or 0.0 < writer.dirty_seen_at <= old_enough:
+                due.append(writer)
+            elif not writer.dirty_seen_at:
+                writer.dirty_seen_at = now
+        return due
 
     def _queue_writes(self, pipe, writer: _Writer, now: float) -> _Written:
         record = writer.record
@@ -489,7 +550,13 @@ class RequestStore:
                                    "end": record.status.value})  # fmt: skip
         record.updated_at = now
         pipe.set(self._record_key(record.request_id), record.to_json(), px=self.ttl_ms)
-        pipe.pexpire(tokens_key, self.ttl_ms)
+        if writer.finished or (num_deltas and now >= writer.renew_expiry_at):
+            # XADD keeps a stream's expiry, so this is needed only now and then
+            pipe.pexpire(tokens_key, self.ttl_ms)
+            writer.renew_expiry_at = now + self.ttl_ms / 2000
+        # What changes from now on waits for its own turn.
+        writer.due, writer.dirty_seen_at = False, 0.0
+        writer.num_writing = writer.num_buffered_tokens
         return _Written(num_deltas, writer.num_buffered_tokens, writer.version, writer.finished)
 
     def _landed(self, writer: _Writer, what: _Written) -> None:
@@ -499,6 +566,7 @@ class RequestStore:
         writer.offset += what.num_tokens
         writer.num_buffered_tokens -= what.num_tokens
         writer.written_version = what.version
+        writer.num_writing = 0
         if what.finished:
             del self._writers[writer.record.request_id]
 

@@ -77,8 +77,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await admitted.ready  # raises if the lease ended without its KV
             first_token_count = 1
             async for delta in self.worker.stream_deltas(
-                admitted.lease.request_id, admitted.sink, first_token_count
-            ):
+                admitted.lease.request_id, admitted.sink, first_token_count,
+                request.stream_interval,
+            ):  # fmt: skip
                 yield delta
         finally:
             await self._close(admitted, LeaseState.RELEASED, LeaseError("not_found", "closed"))
@@ -106,7 +107,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except BaseException:
             worker.loop.close_sink(request_id)
             raise
-        async for delta in worker.stream_deltas(request_id, sink):
+        async for delta in worker.stream_deltas(
+            request_id, sink, stream_interval=request.stream_interval
+        ):
             yield delta
 
     @rpc_errors

@@ -15,7 +15,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.kv.lease import LeaseTable
 from pdserve.rpc_errors import UnavailableError
 from pdserve.state.registry import MAX_CACHED_BLOCK_HASHES, ROLES, WorkerInfo
-from pdserve.wire import delta_to_proto
+from pdserve.wire import deltas_to_proto
 from pdserve.worker.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
@@ -125,23 +125,31 @@ class Worker:
         )
 
     async def stream_deltas(
-        self, request_id: str, sink: asyncio.Queue, num_output_tokens: int = 0
-    ) -> AsyncIterator[decode_pb2.TokenDelta]:
+        self, request_id: str, sink: asyncio.Queue, num_output_tokens: int = 0,
+        stream_interval: int = 1,
+    ) -> AsyncIterator[decode_pb2.TokenDelta]:  # fmt: skip
         """A request's deltas as TokenDelta messages until it finishes.
 
-        If the consumer goes away (the RPC is cancelled), the request is aborted
-        and its blocks freed at once.
+        A message goes out once `stream_interval` tokens wait (the first and the last
+        at once), with every delta waiting then. If the consumer goes away (the RPC is
+        cancelled), the request is aborted and its blocks freed at once.
         """
-        finished = False
+        finished, sent_any = False, False
+        pending: list[RequestOutput] = []
+        num_pending_tokens = 0
         try:
             while not finished:
-                item = await sink.get()
-                if isinstance(item, BaseException):
-                    raise item
-                delta: RequestOutput = item
-                num_output_tokens += len(delta.token_ids)
-                finished = delta.finished
-                yield delta_to_proto(delta, num_output_tokens)
+                deltas, error = _take_waiting(await sink.get(), sink)
+                pending += deltas
+                num_pending_tokens += sum(len(delta.token_ids) for delta in deltas)
+                finished = bool(pending) and pending[-1].finished
+                due = not sent_any or num_pending_tokens >= stream_interval
+                if pending and (due or finished or error is not None):
+                    num_output_tokens += num_pending_tokens
+                    yield deltas_to_proto(pending, num_output_tokens)
+                    pending, num_pending_tokens, sent_any = [], 0, True
+                if error is not None:
+                    raise error
         finally:
             self.loop.close_sink(request_id)
             if not finished:
@@ -153,3 +161,19 @@ class Worker:
             await self.loop.call(self.engine.abort, request_id)
         except KeyError:
             pass
+
+
+def _take_waiting(first, sink: asyncio.Queue) -> tuple[list[RequestOutput], BaseException | None]:
+    """`first` and the deltas already waiting behind it, up to the final one or an error.
+
+    They go out as one message: when the receiver falls behind the engine, it then
+    pays per message, not per token, and never waits for a token that is ready.
+    """
+    deltas: list[RequestOutput] = []
+    item = first
+    while not isinstance(item, BaseException):
+        deltas.append(item)
+        if item.finished or sink.empty():
+            return deltas, None
+        item = sink.get_nowait()
+    return deltas, item
