@@ -185,8 +185,8 @@ class RequestRunner:
                                                progress, timeout):  # fmt: skip
                 yield delta
             return
-        decode, lease = await self._admit(decodes, request_id, prompt, sampling, progress, timeout)
-        self.dispatches.record(decode.address, blocks_needed)
+        decode, lease = await self._admit(decodes, blocks_needed, request_id, prompt, sampling,
+                                          progress, timeout)  # fmt: skip
         decode_stub = decode_pb2_grpc.DecodeStub(self.channels.get(decode.address))
         stream = decode_stub.Stream(decode_pb2.StreamRequest(
             lease_id=lease.lease_id, stream_interval=self.config.stream_interval,
@@ -204,12 +204,15 @@ class RequestRunner:
         finally:
             stream.cancel()  # no-op when it ended; frees the decode side when we stop early
 
-    async def _admit(self, decodes: list[WorkerInfo], request_id, prompt, sampling, progress,
-                     timeout):  # fmt: skip
+    async def _admit(self, decodes: list[WorkerInfo], blocks_needed: int, request_id, prompt,
+                     sampling, progress, timeout):  # fmt: skip
         """Admit on the first decode worker with room; RESOURCE_EXHAUSTED moves on."""
         exhausted = 0
         for worker in decodes:
             stub = decode_pb2_grpc.DecodeStub(self.channels.get(worker.address))
+            # Recorded before the call: requests that arrive while it is in flight must
+            # already see this one (a refused one makes a full worker look fuller: harmless).
+            self.dispatches.record(worker.address, blocks_needed)
             try:
                 lease = await stub.Admit(decode_pb2.AdmitRequest(
                     request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
