@@ -49,6 +49,7 @@ from typing import TypeVar
 
 import grpc
 import torch
+from machine import cpu_model, machine_busy_seconds, others_line, process_cpu_seconds
 
 from pdserve.api.v1 import (
     decode_pb2,
@@ -412,38 +413,19 @@ class CpuWatch:
         others1 = self._others_seconds()
         if others0 is None or others1 is None:
             return "CPU use of other processes: unknown (no /proc)"
-        others, wall = max(0.0, others1 - others0), time.perf_counter() - wall0
-        share = others / (wall * (os.cpu_count() or 1))
-        verdict = "; figures are unreliable" if share > NOISY_SHARE else ""
-        return (
-            f"other processes used {others:.1f} CPU-s in {wall:.0f} s "
-            f"({share:.0%} of the machine){verdict}"
-        )
+        others = max(0.0, others1 - others0)
+        return others_line(others, time.perf_counter() - wall0, NOISY_SHARE)
 
     def _others_seconds(self) -> float | None:
-        stat = Path("/proc/stat")
-        if not stat.is_file():
+        busy = machine_busy_seconds()
+        if busy is None:
             return None
-        # cpu  user nice system idle iowait irq softirq steal ...  (in clock ticks)
-        fields = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:]]
-        busy = sum(fields[:8]) - fields[3] - fields[4]
-        ours = 0
-        for pid in self.pids:
-            # pid (comm) state ... utime stime: fields 14 and 15; comm may hold spaces
-            after_comm = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            ours += int(after_comm[11]) + int(after_comm[12])
-        return (busy - ours) / os.sysconf("SC_CLK_TCK")
+        return busy - sum(process_cpu_seconds(pid) or 0.0 for pid in self.pids)
 
 
 def machine_line() -> str:
-    cpu = "unknown CPU"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
-                 if ln.startswith("model name")]  # fmt: skip
-        cpu = names[0] if names else cpu
     return (
-        f"{os.cpu_count()} cores, {cpu}; Python {sys.version.split()[0]}, "
+        f"{os.cpu_count()} cores, {cpu_model()}; Python {sys.version.split()[0]}, "
         f"torch {torch.__version__}, grpcio {grpc.__version__}; {THREADS} torch thread per engine"
     )
 

@@ -31,7 +31,6 @@ not enforced.
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import random
 import statistics
@@ -44,6 +43,7 @@ from typing import TypeVar
 
 import torch
 import transformers
+from machine import cpu_model, machine_busy_seconds, others_line
 from transformers.generation.streamers import BaseStreamer
 
 from pdserve.engine.demo_model import write_demo_model
@@ -139,21 +139,15 @@ class CpuWatch:
     """
 
     def __init__(self) -> None:
-        self.start = (_machine_busy_seconds(), time.process_time(), time.perf_counter())
+        self.start = (machine_busy_seconds(), time.process_time(), time.perf_counter())
 
     def report(self) -> str:
         busy0, own0, wall0 = self.start
-        busy1 = _machine_busy_seconds()
+        busy1 = machine_busy_seconds()
         if busy0 is None or busy1 is None:
             return "CPU use of other processes: unknown (no /proc/stat)"
         others = max(0.0, (busy1 - busy0) - (time.process_time() - own0))
-        wall = time.perf_counter() - wall0
-        share = others / (wall * (os.cpu_count() or 1))
-        verdict = "; figures are unreliable" if share > NOISY_SHARE else ""
-        return (
-            f"other processes used {others:.1f} CPU-s in {wall:.0f} s "
-            f"({share:.0%} of the machine){verdict}"
-        )
+        return others_line(others, time.perf_counter() - wall0, NOISY_SHARE)
 
 
 def watched(label: str, run: Callable[[], T]) -> T:
@@ -162,16 +156,6 @@ def watched(label: str, run: Callable[[], T]) -> T:
     result = run()
     print(f"{label}: {watch.report()}")
     return result
-
-
-def _machine_busy_seconds() -> float | None:
-    stat = Path("/proc/stat")
-    if not stat.is_file():
-        return None
-    # cpu  user nice system idle iowait irq softirq steal ...  (in clock ticks)
-    fields = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:]]
-    idle = fields[3] + fields[4]
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 class FirstTokenClock(BaseStreamer):
@@ -374,15 +358,7 @@ def build_hf_model(model_dir: Path):
 
 
 def machine_line(threads: int, model) -> str:
-    cpu = platform.processor() or "unknown CPU"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = [
-            ln.split(":", 1)[1].strip()
-            for ln in cpuinfo.read_text().splitlines()
-            if ln.startswith("model name")
-        ]
-        cpu = names[0] if names else cpu
+    cpu = cpu_model(platform.processor() or "unknown CPU")
     return (
         f"{cpu}; torch {torch.__version__}, transformers {transformers.__version__} "
         f"(attention: {model.config._attn_implementation}); {threads} threads"

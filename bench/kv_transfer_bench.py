@@ -37,10 +37,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import numpy as np
+from machine import machine_busy_seconds, others_line, process_cpu_seconds
 
 from pdserve.api.v1.kv_transfer_pb2_grpc import add_KVTransferServicer_to_server
 from pdserve.engine.kv_cache import KVLayerChunk
@@ -171,14 +171,10 @@ class Clock:
     """Wall time and the CPU time of both processes (this one and the receiver)."""
 
     def __init__(self, receiver_pid: int) -> None:
-        self.receiver_stat = Path(f"/proc/{receiver_pid}/stat")
+        self.receiver_pid = receiver_pid
 
     def cpu_seconds(self) -> float:
-        receiver = 0.0
-        if self.receiver_stat.is_file():  # Linux
-            utime, stime = self.receiver_stat.read_text().rsplit(")", 1)[1].split()[11:13]
-            receiver = (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
-        return time.process_time() + receiver
+        return time.process_time() + (process_cpu_seconds(self.receiver_pid) or 0.0)
 
     def time(self, send: Callable[[], None]) -> Run:
         cpu, start = self.cpu_seconds(), time.perf_counter()
@@ -226,30 +222,15 @@ class CpuWatch:
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
-        self.start = (_machine_busy_seconds(), clock.cpu_seconds(), time.perf_counter())
+        self.start = (machine_busy_seconds(), clock.cpu_seconds(), time.perf_counter())
 
     def report(self) -> str:
         busy0, ours0, wall0 = self.start
-        busy1 = _machine_busy_seconds()
+        busy1 = machine_busy_seconds()
         if busy0 is None or busy1 is None:
             return "CPU use of other processes: unknown (no /proc/stat)"
         others = max(0.0, (busy1 - busy0) - (self.clock.cpu_seconds() - ours0))
-        wall = time.perf_counter() - wall0
-        share = others / (wall * (os.cpu_count() or 1))
-        verdict = "; figures are unreliable" if share > NOISY_SHARE else ""
-        return (
-            f"other processes used {others:.1f} CPU-s in {wall:.0f} s "
-            f"({share:.0%} of the machine){verdict}"
-        )
-
-
-def _machine_busy_seconds() -> float | None:
-    stat = Path("/proc/stat")
-    if not stat.is_file():
-        return None
-    # cpu  user nice system idle iowait irq softirq steal ...  (in clock ticks)
-    fields = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+        return others_line(others, time.perf_counter() - wall0, NOISY_SHARE)
 
 
 # -- the report -----------------------------------------------------------------------------

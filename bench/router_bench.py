@@ -53,6 +53,7 @@ from pathlib import Path
 
 import grpc
 import redis
+from machine import cpu_model, machine_busy_seconds, others_line, process_cpu_seconds
 
 from pdserve.api.v1 import (
     common_pb2,
@@ -127,22 +128,6 @@ def p90(values: list[float]) -> float:
 
 # -- CPU accounting (Linux /proc) ------------------------------------------------------------
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu_s(pid: int) -> float:
-    """utime + stime of every thread of the process, in seconds."""
-    # pid (comm) state ... utime stime are fields 14 and 15; comm may hold spaces
-    after_comm = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(after_comm[11]) + int(after_comm[12])) / CLOCK_TICKS
-
-
-def machine_busy_s() -> float:
-    """CPU-seconds the whole machine was busy since boot."""
-    # cpu  user nice system idle iowait irq softirq steal ...  (in clock ticks)
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / CLOCK_TICKS
-
 
 class CpuWindow:
     """CPU-seconds of named processes, and of everything else, between start and stop."""
@@ -163,16 +148,13 @@ class CpuWindow:
         )
 
     def _sample(self) -> dict[str, float]:
-        sample = {name: process_cpu_s(pid) for name, pid in self.pids.items()}
-        sample["machine"] = machine_busy_s()
+        sample = {name: process_cpu_seconds(pid) for name, pid in self.pids.items()}
+        sample["machine"] = machine_busy_seconds()
         sample["wall"] = time.perf_counter()
         return sample
 
     def others_line(self) -> str:
-        share = self.cpu_s["others"] / (self.wall_s * (os.cpu_count() or 1))
-        verdict = "; figures are unreliable" if share > NOISY_SHARE else ""
-        return (f"other processes used {self.cpu_s['others']:.1f} CPU-s in {self.wall_s:.0f} s "
-                f"({share:.0%} of the machine){verdict}")  # fmt: skip
+        return others_line(self.cpu_s["others"], self.wall_s, NOISY_SHARE)
 
 
 def pin(pid: int, core: int) -> None:
@@ -410,16 +392,10 @@ async def bench_relay(router_address: str, pids: dict[str, int], w: Workload,
 
 
 def machine_line() -> str:
-    cpu = "unknown CPU"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
-                 if ln.startswith("model name")]  # fmt: skip
-        cpu = names[0] if names else cpu
     pinned = "no pinning (one core)"
     if (os.cpu_count() or 1) >= 2:
         pinned = f"router pinned to core {ROUTER_CORE}, the rest to core {OTHERS_CORE}"
-    return (f"{os.cpu_count()} cores, {cpu}; Python {sys.version.split()[0]}, "
+    return (f"{os.cpu_count()} cores, {cpu_model()}; Python {sys.version.split()[0]}, "
             f"grpcio {grpc.__version__}; {pinned}")  # fmt: skip
 
 
