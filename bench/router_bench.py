@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,7 +78,7 @@ MAX_NUM_SEQS = 128  # per decode worker: every stream joins one batch
 ROUTER_CORE, OTHERS_CORE = 0, 1
 OVERHEAD_TARGET_MS = 2.0
 RELAY_TARGET_TOKENS_PER_CPU_S = 20_000
-SATURATED_SHARE = 0.9  # router CPU-s per wall-s above which its core counts as saturated
+SATURATED_SHARE = 0.9  # of the router's CPU allowance (a core, or its quota): saturated
 NOISY_SHARE = 0.05  # others' share of the machine above which the figures are noise
 STOP_TIMEOUT_S = 60.0
 
@@ -166,6 +166,36 @@ def pin(pid: int, core: int) -> None:
             os.sched_setaffinity(int(tid), {core})
         except ProcessLookupError:  # the thread ended meanwhile
             pass
+
+
+@contextmanager
+def cpu_quota(pid: int, share: float) -> Iterator[None]:
+    """Cap the process at `share` of one core (a cgroup CPU quota), so that it is the
+    bottleneck: its figures are then those of a saturated process.
+
+    Needs a writable cgroup CPU controller (v1 `cpu` or v2); raises if there is none.
+    """
+    period_us = 100_000
+    quota_us = max(1000, round(share * period_us))
+    v1 = Path("/sys/fs/cgroup/cpu")
+    group = (v1 if v1.is_dir() else Path("/sys/fs/cgroup")) / f"pdserve-bench-{pid}"
+    group.mkdir()
+    try:
+        if v1.is_dir():
+            (group / "cpu.cfs_period_us").write_text(str(period_us))
+            (group / "cpu.cfs_quota_us").write_text(str(quota_us))
+        else:
+            (group / "cpu.max").write_text(f"{quota_us} {period_us}")
+        (group / "cgroup.procs").write_text(str(pid))  # every thread of the process
+        yield
+    finally:
+        parent = group.parent / "cgroup.procs"
+        for member in (group / "cgroup.procs").read_text().split():
+            try:
+                parent.write_text(member)
+            except OSError:  # it exited meanwhile
+                pass
+        group.rmdir()
 
 
 # -- processes --------------------------------------------------------------------------------
@@ -355,7 +385,8 @@ async def relay_streams(router: router_pb2_grpc.RouterStub, num_streams: int,
 
 
 async def bench_relay(router_address: str, pids: dict[str, int], w: Workload,
-                      rng: random.Random) -> tuple[list[Result], CpuWindow]:  # fmt: skip
+                      rng: random.Random,
+                      cpu_allowance: float = 1.0) -> tuple[list[Result], CpuWindow]:  # fmt: skip
     sampling = greedy(w.relay_new_tokens)
     async with grpc.aio.insecure_channel(router_address) as channel:
         router = router_pb2_grpc.RouterStub(channel)
@@ -369,7 +400,8 @@ async def bench_relay(router_address: str, pids: dict[str, int], w: Workload,
     router_cpu = window.cpu_s["router"]
     per_cpu_s = tokens / router_cpu
     share = router_cpu / window.wall_s
-    saturated = "saturated" if share >= SATURATED_SHARE else "not saturated"
+    saturated = "saturated" if share >= SATURATED_SHARE * cpu_allowance else "not saturated"
+    allowance = "one core" if cpu_allowance == 1.0 else f"one core, capped at {cpu_allowance:.0%}"
     breakdown = ", ".join(f"{name} {cpu / tokens * 1e6:.0f}"
                           for name, cpu in window.cpu_s.items())  # fmt: skip
     return [
@@ -381,7 +413,7 @@ async def bench_relay(router_address: str, pids: dict[str, int], w: Workload,
         Result("relay: wall tokens/s (whole cluster on 2 cores)",
                f"{tokens / window.wall_s:,.0f} tokens/s ({tokens:,} tokens in "
                f"{window.wall_s:.1f} s)"),
-        Result("relay: router core use", f"{share:.0%} of one core ({saturated})"),
+        Result("relay: router core use", f"{share:.0%} of one core ({allowance}: {saturated})"),
         # several per message when the router or its client falls behind (coalesced)
         Result("relay: tokens per message to the client", f"{tokens / num_messages:.2f}"),
         Result("relay: CPU µs per token, by process", breakdown),
@@ -431,6 +463,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="TOKENS",
         help="the routers' --stream-interval: tokens per decode-worker message (default 1)",
     )
+    parser.add_argument(
+        "--router-cpu-share",
+        type=float,
+        metavar="FRACTION",
+        help="cap the relay part's router at this share of one core (a cgroup CPU quota), "
+        "so that it, not the workers, is the bottleneck",
+    )
     args = parser.parse_args(argv)
     w = QUICK if args.quick else FULL
     rng = random.Random(PROMPT_SEED)
@@ -464,11 +503,15 @@ def main(argv: list[str] | None = None) -> int:
                     )
             print(f"overhead part: {window.others_line()}")
         print(f"load average after the overhead part: {loadavg()}")
-        with router("router-relay", [d.address for d in decodes], args.profile) as r:
+        share = args.router_cpu_share
+        with (
+            router("router-relay", [d.address for d in decodes], args.profile) as r,
+            cpu_quota(r.proc.pid, share) if share else nullcontext(),
+        ):  # fmt: skip
             pids = {"router": r.proc.pid, "prefill": prefill.proc.pid, "redis": redis_pid,
                     "client": os.getpid()}  # fmt: skip
             pids.update({f"decode-{i}": d.proc.pid for i, d in enumerate(decodes)})
-            relay, window = asyncio.run(bench_relay(r.address, pids, w, rng))
+            relay, window = asyncio.run(bench_relay(r.address, pids, w, rng, share or 1.0))
             results += relay
         print(f"relay part: {window.others_line()}")
         print(f"load average at the end: {loadavg()}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -33,6 +33,7 @@ from pdserve.router.policy import (
     cached_prefix_blocks,
     prompt_block_hashes,
 )
+from pdserve.router.relay import DecodeRelays
 from pdserve.rpc_errors import UnavailableError
 from pdserve.state.registry import WorkerInfo
 from pdserve.wire import drop_first_tokens
@@ -143,6 +144,7 @@ class RequestRunner:
         self.discovery, self.channels, self.config = discovery, channels, config
         self.prefill_policy, self.decode_policy = prefill_policy, decode_policy
         self.dispatches = RecentDispatches()
+        self.relays = DecodeRelays(channels.get)
 
     async def run(
         self,
@@ -150,10 +152,18 @@ class RequestRunner:
         prompt: list[int],
         sampling: common_pb2.SamplingParams,
         progress: Progress,
+        deliver: Callable[[decode_pb2.TokenDelta], None],
         timeout: float | None = None,
-    ) -> AsyncIterator[decode_pb2.TokenDelta]:
-        """The request's deltas, exactly once each, across retries."""
+    ) -> None:
+        """Run the request to its end, handing each delta to `deliver` exactly once,
+        across retries. Decode deltas are delivered from the relay's reader, as they
+        arrive: `deliver` must not block."""
         delivered = DeliveredTokens()
+
+        def deliver_new(delta: decode_pb2.TokenDelta) -> None:
+            if delivered.keep_new(delta):
+                deliver(delta)
+
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self.config.max_attempts),
             wait=wait_random_exponential(multiplier=RETRY_BACKOFF_BASE_S, max=RETRY_BACKOFF_MAX_S),
@@ -165,11 +175,9 @@ class RequestRunner:
             with attempt:
                 progress.set(attempts=progress.attempts + 1)
                 delivered.new_attempt()
-                async for delta in self._attempt(request_id, prompt, sampling, progress, timeout):
-                    if delivered.keep_new(delta):
-                        yield delta
+                await self._attempt(request_id, prompt, sampling, progress, timeout, deliver_new)
 
-    async def _attempt(self, request_id, prompt, sampling, progress, timeout):
+    async def _attempt(self, request_id, prompt, sampling, progress, timeout, deliver) -> None:
         blocks_needed = -(-(len(prompt) + sampling.max_tokens) // self.config.block_size)
         decodes = self.decode_policy.rank(
             self.dispatches.adjust(self.discovery.workers("decode")), blocks_needed
@@ -181,26 +189,22 @@ class RequestRunner:
         cached = cached_prefix_blocks(first_choice, hashes) * self.config.block_size
         if self.config.colocation.should_colocate(len(prompt), cached):
             self.dispatches.record(first_choice.address, blocks_needed)
-            async for delta in self._colocated(first_choice, request_id, prompt, sampling,
-                                               progress, timeout):  # fmt: skip
-                yield delta
+            await self._colocated(first_choice, request_id, prompt, sampling, progress, timeout,
+                                  deliver)  # fmt: skip
             return
         decode, lease = await self._admit(decodes, blocks_needed, request_id, prompt, sampling,
                                           progress, timeout)  # fmt: skip
-        decode_stub = decode_pb2_grpc.DecodeStub(self.channels.get(decode.address))
-        stream = decode_stub.Stream(decode_pb2.StreamRequest(
+        # Attached before prefill runs, so that no token waits on us.
+        stream = self.relays.open(decode.address, decode_pb2.RelayAttach(
             lease_id=lease.lease_id, stream_interval=self.config.stream_interval,
-        ), timeout=timeout)  # fmt: skip
+        ), timeout)  # fmt: skip
         try:
             first = await self._prefill(hashes, request_id, prompt, sampling, decode, lease,
                                         progress, timeout)  # fmt: skip
-            yield first
+            deliver(first)
             if first.finish_reason != FINISHED:
                 return
-            async for delta in stream:
-                if progress.phase != "decoding":
-                    progress.set(phase="decoding", first_decode_at=time.monotonic())
-                yield delta
+            await stream.deliver(_marking_decoding(progress, deliver))
         finally:
             stream.cancel()  # no-op when it ended; frees the decode side when we stop early
 
@@ -267,19 +271,30 @@ class RequestRunner:
             return head
         raise last_error
 
-    async def _colocated(self, worker, request_id, prompt, sampling, progress, timeout):
-        stub = decode_pb2_grpc.DecodeStub(self.channels.get(worker.address))
+    async def _colocated(self, worker, request_id, prompt, sampling, progress, timeout,
+                         deliver) -> None:  # fmt: skip
         progress.set(phase="prefilling", prefill_worker=worker.address,
                      decode_worker=worker.address, admitted_at=time.monotonic())  # fmt: skip
-        call = stub.Generate(decode_pb2.LocalGenerateRequest(
-            request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+        stream = self.relays.open(worker.address, decode_pb2.RelayAttach(
             stream_interval=self.config.stream_interval,
-        ), timeout=timeout)  # fmt: skip
+            generate=decode_pb2.LocalGenerateRequest(
+                request_id=request_id, prompt_token_ids=prompt, sampling=sampling),
+        ), timeout)  # fmt: skip
         try:
-            async for delta in call:
-                if progress.phase == "prefilling":
-                    progress.set(phase="decoding", first_token_at=time.monotonic(),
-                                 first_decode_at=time.monotonic())  # fmt: skip
-                yield delta
+            await stream.deliver(_marking_decoding(progress, deliver, first_token_here=True))
         finally:
-            call.cancel()
+            stream.cancel()
+
+
+def _marking_decoding(progress: Progress, deliver, first_token_here: bool = False):
+    """`deliver`, after marking the request as decoding at its first decode delta."""
+
+    def deliver_and_mark(delta: decode_pb2.TokenDelta) -> None:
+        if progress.phase != "decoding":
+            now = time.monotonic()
+            if first_token_here:  # colocated: the first token comes with the decode stream
+                progress.first_token_at = now
+            progress.set(phase="decoding", first_decode_at=now)
+        deliver(delta)
+
+    return deliver_and_mark

@@ -133,6 +133,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     await server.stop(grace=config.grace_s)
     await servicer.cancel_bus.close()
     await discovery.stop()
+    await runner.relays.close()
     await channels.close()
     await store.close()
 

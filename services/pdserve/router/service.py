@@ -132,8 +132,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _pump(self, request_id, prompt, sampling, progress, timeout, queue) -> None:
         """Run the request and hand each delta (or the final error) to the handler."""
         try:
-            async for delta in self.runner.run(request_id, prompt, sampling, progress, timeout):
-                queue.put_nowait(delta)
+            await self.runner.run(request_id, prompt, sampling, progress, queue.put_nowait, timeout)
         except asyncio.CancelledError:
             # Cancel RPC (or client gone): tell the handler the request ended as aborted.
             queue.put_nowait(_aborted())

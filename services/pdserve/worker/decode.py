@@ -14,6 +14,8 @@ from pdserve.kv.lease import Lease, LeaseError, LeaseState
 from pdserve.kv.transfer import receive_push
 from pdserve.rpc_errors import PreconditionError, rpc_errors
 from pdserve.wire import sampling_params_from_proto
+from pdserve.worker.engine_loop import Sink
+from pdserve.worker.relay import RelayCall
 from pdserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -25,7 +27,7 @@ class _Admitted:
     """A lease's request on this worker, from Admit until its Stream ends."""
 
     lease: Lease
-    sink: asyncio.Queue
+    sink: Sink
     # Resolves when the KV is committed (None) or the lease ends without (an exception).
     ready: asyncio.Future = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
@@ -38,6 +40,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.worker = worker
         self.admitted: dict[str, _Admitted] = {}  # by lease id
         self._expiry_task: asyncio.Task | None = None
+        self.relays: set[RelayCall] = set()
+        self._background: set[asyncio.Task] = set()
 
     def start(self) -> None:
         """Once the worker is attached: begin expiring leases."""
@@ -82,7 +86,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             ):  # fmt: skip
                 yield delta
         finally:
-            await self._close(admitted, LeaseState.RELEASED, LeaseError("not_found", "closed"))
+            await self.close_lease(admitted, LeaseState.RELEASED, LeaseError("not_found", "closed"))
 
     @rpc_errors
     async def Release(self, request, context):
@@ -90,7 +94,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         admitted = self.admitted.get(request.lease_id)
         if admitted is None:
             return decode_pb2.ReleaseResponse(released=False)
-        await self._close(admitted, LeaseState.RELEASED,
+        await self.close_lease(admitted, LeaseState.RELEASED,
                           LeaseError("not_found", "lease released by its holder"))  # fmt: skip
         return decode_pb2.ReleaseResponse(released=True)
 
@@ -117,6 +121,28 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.worker.check_ready()
         return self.worker.load()
 
+    @rpc_errors
+    async def Relay(self, request_iterator, context):
+        self.worker.check_ready()
+        relay = RelayCall(self)
+        self.relays.add(relay)
+        try:
+            async for batch in relay.serve(request_iterator):
+                yield batch
+        finally:
+            self.relays.discard(relay)
+
+    def wake_relays(self) -> None:
+        """For draining: a Relay call checks whether it is idle when woken."""
+        for relay in self.relays:
+            relay.wake()
+
+    def spawn(self, coroutine) -> None:
+        """Run a coroutine in the background, held until it ends (the loop holds tasks weakly)."""
+        task = asyncio.create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     # -- leases ---------------------------------------------------------------------------
 
     async def commit(self, lease_id: str, first_token_id: int) -> None:
@@ -130,9 +156,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def fail(self, lease_id: str, why: str) -> None:
         admitted = self.admitted.get(lease_id)
         if admitted is not None and admitted.lease.state is LeaseState.OPEN:
-            await self._close(admitted, LeaseState.FAILED, LeaseError("aborted", why))
+            await self.close_lease(admitted, LeaseState.FAILED, LeaseError("aborted", why))
 
-    async def _close(self, admitted: _Admitted, state: LeaseState, reason: Exception) -> None:
+    async def close_lease(self, admitted: _Admitted, state: LeaseState, reason: Exception) -> None:
         """End a lease for good: free its blocks (or abort its request) exactly once."""
         lease = self.worker.leases.close(admitted.lease.lease_id, state)
         if lease is None:
@@ -150,21 +176,24 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             for lease in self.worker.leases.expired():
                 log.info("lease for request %s expired before its KV arrived", lease.request_id)
                 reason = LeaseError("expired", "lease deadline passed before its KV arrived")
-                await self._close(self.admitted[lease.lease_id], LeaseState.EXPIRED, reason)
+                await self.close_lease(self.admitted[lease.lease_id], LeaseState.EXPIRED, reason)
             # A committed request whose stream never attached would run unseen forever.
             now = time.monotonic()
             for admitted in list(self.admitted.values()):
                 lease = admitted.lease
                 overdue = now > lease.deadline + self.worker.config.lease_ttl_s
                 if lease.state is LeaseState.COMMITTED and not admitted.stream_attached and overdue:
-                    await self._close(admitted, LeaseState.RELEASED,
+                    await self.close_lease(admitted, LeaseState.RELEASED,
                                       LeaseError("expired", "no stream attached"))  # fmt: skip
 
     async def close(self) -> None:
         if self._expiry_task is not None:
             self._expiry_task.cancel()
+        if self._background:
+            await asyncio.wait(list(self._background))
         for admitted in list(self.admitted.values()):
-            await self._close(admitted, LeaseState.RELEASED, LeaseError("not_found", "shutdown"))
+            shutdown = LeaseError("not_found", "shutdown")
+            await self.close_lease(admitted, LeaseState.RELEASED, shutdown)
 
 
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):

@@ -24,7 +24,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.transfer import KVPusher, channel_options
 from pdserve.rpc_errors import PreconditionError, rpc_errors
 from pdserve.wire import FINISH_REASONS, logprobs_to_proto, sampling_params_from_proto
-from pdserve.worker.engine_loop import EXPORT_DONE, KVExport
+from pdserve.worker.engine_loop import EXPORT_DONE, KVExport, Sink
 from pdserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -158,9 +158,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.worker.engine.add_request(prompt, prefill_only(params), request_id)
         self.worker.loop.add_export(export)
 
-    async def _first_token(self, request_id: str, sink: asyncio.Queue) -> RequestOutput:
+    async def _first_token(self, request_id: str, sink: Sink) -> RequestOutput:
         try:
-            item = await sink.get()
+            item = await sink.queue.get()
         finally:
             self.worker.loop.close_sink(request_id)
         if isinstance(item, BaseException):

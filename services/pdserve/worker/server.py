@@ -98,6 +98,8 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
 
     log.info("draining: no new requests; finishing the running ones")
     worker.draining = True
+    if decode is not None:
+        decode.wake_relays()  # each Relay call ends once its requests have
     if heartbeats is not None:  # leave the registry first: routers stop sending us work
         heartbeats[1].set()
         await heartbeats[0]

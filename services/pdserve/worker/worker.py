@@ -16,7 +16,7 @@ from pdserve.kv.lease import LeaseTable
 from pdserve.rpc_errors import UnavailableError
 from pdserve.state.registry import MAX_CACHED_BLOCK_HASHES, ROLES, WorkerInfo
 from pdserve.wire import deltas_to_proto
-from pdserve.worker.engine_loop import EngineLoop
+from pdserve.worker.engine_loop import EngineLoop, Sink
 
 log = logging.getLogger(__name__)
 KV_LAYOUT = "layer,kv,block,slot,head,dim"
@@ -125,29 +125,23 @@ class Worker:
         )
 
     async def stream_deltas(
-        self, request_id: str, sink: asyncio.Queue, num_output_tokens: int = 0,
-        stream_interval: int = 1,
+        self, request_id: str, sink: Sink, num_output_tokens: int = 0, stream_interval: int = 1,
     ) -> AsyncIterator[decode_pb2.TokenDelta]:  # fmt: skip
-        """A request's deltas as TokenDelta messages until it finishes.
+        """A request's deltas as TokenDelta messages until it finishes (see PendingDeltas).
 
-        A message goes out once `stream_interval` tokens wait (the first and the last
-        at once), with every delta waiting then. If the consumer goes away (the RPC is
-        cancelled), the request is aborted and its blocks freed at once.
+        If the consumer goes away (the RPC is cancelled), the request is aborted and its
+        blocks freed at once.
         """
-        finished, sent_any = False, False
-        pending: list[RequestOutput] = []
-        num_pending_tokens = 0
+        pending = PendingDeltas(stream_interval, num_output_tokens)
+        finished = False
         try:
             while not finished:
-                deltas, error = _take_waiting(await sink.get(), sink)
-                pending += deltas
-                num_pending_tokens += sum(len(delta.token_ids) for delta in deltas)
-                finished = bool(pending) and pending[-1].finished
-                due = not sent_any or num_pending_tokens >= stream_interval
-                if pending and (due or finished or error is not None):
-                    num_output_tokens += num_pending_tokens
-                    yield deltas_to_proto(pending, num_output_tokens)
-                    pending, num_pending_tokens, sent_any = [], 0, True
+                deltas, error = _take_waiting(await sink.queue.get(), sink.queue)
+                for delta in deltas:
+                    pending.add(delta)
+                finished = pending.finished
+                if pending.due() or (error is not None and pending.deltas):
+                    yield pending.take()
                 if error is not None:
                     raise error
         finally:
@@ -161,6 +155,42 @@ class Worker:
             await self.loop.call(self.engine.abort, request_id)
         except KeyError:
             pass
+
+
+class PendingDeltas:
+    """One request's step outputs not sent yet, and whether a message is due.
+
+    A message goes out once `stream_interval` tokens wait, and the first and the last
+    at once; it holds every output waiting then (see StreamRequest.stream_interval).
+    """
+
+    __slots__ = ("stream_interval", "num_output_tokens", "deltas", "num_tokens", "sent_any")
+
+    def __init__(self, stream_interval: int, num_output_tokens: int = 0):
+        self.stream_interval = stream_interval
+        self.num_output_tokens = num_output_tokens  # sent before this request's first delta
+        self.deltas: list[RequestOutput] = []
+        self.num_tokens = 0  # in `deltas`
+        self.sent_any = False
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.deltas) and self.deltas[-1].finished
+
+    def add(self, delta: RequestOutput) -> None:
+        self.deltas.append(delta)
+        self.num_tokens += len(delta.token_ids)
+
+    def due(self) -> bool:
+        return bool(self.deltas) and (
+            not self.sent_any or self.num_tokens >= self.stream_interval or self.finished
+        )
+
+    def take(self) -> decode_pb2.TokenDelta:
+        self.num_output_tokens += self.num_tokens
+        message = deltas_to_proto(self.deltas, self.num_output_tokens)
+        self.deltas, self.num_tokens, self.sent_any = [], 0, True
+        return message
 
 
 def _take_waiting(first, sink: asyncio.Queue) -> tuple[list[RequestOutput], BaseException | None]:

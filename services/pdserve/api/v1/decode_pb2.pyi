@@ -99,3 +99,47 @@ class WorkerLoad(_message.Message):
     waiting: int
     open_leases: int
     def __init__(self, role: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., open_leases: _Optional[int] = ...) -> None: ...
+
+class RelayCommand(_message.Message):
+    __slots__ = ("attach", "detach")
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
+    DETACH_FIELD_NUMBER: _ClassVar[int]
+    attach: RelayAttach
+    detach: RelayDetach
+    def __init__(self, attach: _Optional[_Union[RelayAttach, _Mapping]] = ..., detach: _Optional[_Union[RelayDetach, _Mapping]] = ...) -> None: ...
+
+class RelayAttach(_message.Message):
+    __slots__ = ("stream_id", "stream_interval", "lease_id", "generate")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    stream_interval: int
+    lease_id: str
+    generate: LocalGenerateRequest
+    def __init__(self, stream_id: _Optional[int] = ..., stream_interval: _Optional[int] = ..., lease_id: _Optional[str] = ..., generate: _Optional[_Union[LocalGenerateRequest, _Mapping]] = ...) -> None: ...
+
+class RelayDetach(_message.Message):
+    __slots__ = ("stream_id",)
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    def __init__(self, stream_id: _Optional[int] = ...) -> None: ...
+
+class RelayBatch(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[RelayItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[RelayItem, _Mapping]]] = ...) -> None: ...
+
+class RelayItem(_message.Message):
+    __slots__ = ("stream_id", "delta", "error_code", "error_message")
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    stream_id: int
+    delta: TokenDelta
+    error_code: int
+    error_message: str
+    def __init__(self, stream_id: _Optional[int] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...

@@ -59,6 +59,11 @@ class DecodeStub:
                 request_serializer=pdserve_dot_v1_dot_decode__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_decode__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.Relay = channel.stream_stream(
+                '/pdserve.v1.Decode/Relay',
+                request_serializer=pdserve_dot_v1_dot_decode__pb2.RelayCommand.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_decode__pb2.RelayBatch.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -100,6 +105,18 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Relay(self, request_iterator, context):
+        """The router's path for Stream and Generate: one call per (router, decode worker)
+        carries every request that router streams from this worker. Each response holds
+        what the engine produced for them since the last one, so the per-message cost of
+        gRPC is paid once per engine step, not once per token of every request, on both
+        ends. Closing the call aborts the requests still attached to it and frees their
+        blocks; while the worker drains, the call ends once none is attached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +144,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdserve_dot_v1_dot_decode__pb2.GetLoadRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_decode__pb2.WorkerLoad.SerializeToString,
+            ),
+            'Relay': grpc.stream_stream_rpc_method_handler(
+                    servicer.Relay,
+                    request_deserializer=pdserve_dot_v1_dot_decode__pb2.RelayCommand.FromString,
+                    response_serializer=pdserve_dot_v1_dot_decode__pb2.RelayBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +286,33 @@ class Decode:
             '/pdserve.v1.Decode/GetLoad',
             pdserve_dot_v1_dot_decode__pb2.GetLoadRequest.SerializeToString,
             pdserve_dot_v1_dot_decode__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Relay(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.Decode/Relay',
+            pdserve_dot_v1_dot_decode__pb2.RelayCommand.SerializeToString,
+            pdserve_dot_v1_dot_decode__pb2.RelayBatch.FromString,
             options,
             channel_credentials,
             insecure,

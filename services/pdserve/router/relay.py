@@ -1,0 +1,189 @@
+"""The router's end of Relay: one call per decode worker carries all its streams.
+
+Each request the router streams from a decode worker attaches to that worker's Relay
+call (decode.proto) instead of opening a Stream call of its own. A worker then sends
+one message per engine step for all of them, and the router reads one: gRPC's cost per
+message (tens of µs of CPU on each side) is paid per step, not per token of each
+request. A `RelayStream` ends as the Stream call it replaces would: after the final
+TokenDelta, or with `grpc.aio.AioRpcError` carrying the status the worker reported, or
+UNAVAILABLE when the call itself broke (the worker died).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from pdserve.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+log = logging.getLogger(__name__)
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_UNFINISHED = common_pb2.FINISH_REASON_UNSPECIFIED
+
+
+class RelayStream:
+    """One request's deltas on a shared Relay call.
+
+    `deliver` hands each delta to a callback, called from the call's reader as the batch
+    arrives: the router pays no task switch per token for it. Until then (while the
+    request prefills) deltas wait here. `cancel()` stops early.
+    """
+
+    __slots__ = ("_connection", "stream_id", "_waiting", "_consumer", "_over", "_ended",
+                 "_deadline")  # fmt: skip
+
+    def __init__(self, connection: _RelayConnection, stream_id: int, timeout: float | None):
+        self._connection, self.stream_id = connection, stream_id
+        self._waiting: list = []  # items before `deliver` starts
+        self._consumer: Callable[[decode_pb2.TokenDelta], None] | None = None
+        self._over = False  # no more items: ended, failed or cancelled
+        # Resolves when the request's last delta was delivered, or fails with its error.
+        self._ended: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._deadline = None
+        if timeout is not None:  # the client's deadline: stop here, and detach the worker
+            self._deadline = asyncio.get_running_loop().call_later(timeout, self._expire)
+
+    async def deliver(self, consumer: Callable[[decode_pb2.TokenDelta], None]) -> None:
+        """Call `consumer` with every delta up to the final one; raise the request's error."""
+        self._consumer = consumer
+        waiting, self._waiting = self._waiting, []
+        for item in waiting:
+            self.put(item)
+        await self._ended
+
+    def put(self, item) -> None:
+        """From the reader: an item for this stream, or the error that broke the call."""
+        if self._over:
+            return
+        if self._consumer is None:
+            self._waiting.append(item)
+        elif isinstance(item, BaseException):
+            self._end(item, detach=False)
+        elif item.error_code:  # the worker ended the request
+            code = _STATUS_CODES.get(item.error_code, grpc.StatusCode.UNKNOWN)
+            self._end(_status_error(code, item.error_message), detach=False)
+        else:
+            try:
+                self._consumer(item.delta)
+            except Exception as exc:  # the consumer's bug: end this request, not the call
+                self._end(exc, detach=True)
+                return
+            if item.delta.finish_reason != _UNFINISHED:
+                self._end(None, detach=False)
+
+    def cancel(self) -> None:
+        """Stop early: the worker aborts the request and frees its blocks. No-op once ended."""
+        if not self._over:
+            self._end(None, detach=True)
+
+    def _expire(self) -> None:
+        self._end(_status_error(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"), True)
+
+    def _end(self, error: BaseException | None, detach: bool) -> None:
+        if self._over:
+            return
+        self._over = True
+        if self._ended.done():  # cancelled along with the task awaiting it
+            pass
+        elif error is None:
+            self._ended.set_result(None)
+        else:
+            self._ended.set_exception(error)
+            if self._consumer is None:  # nobody may ever await it: no "never retrieved"
+                self._ended.exception()
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._connection.forget(self, detach)
+
+
+class _RelayConnection:
+    """One Relay call: commands go out through an outbox, batches are sorted by stream."""
+
+    def __init__(self, stub: decode_pb2_grpc.DecodeStub):
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self._streams: dict[int, RelayStream] = {}
+        self._ids = itertools.count(1)
+        self.open = True
+        self._call = stub.Relay(self._commands())
+        self._reader = asyncio.create_task(self._read())
+
+    def attach(self, attach: decode_pb2.RelayAttach, timeout: float | None) -> RelayStream:
+        stream = RelayStream(self, next(self._ids), timeout)
+        self._streams[stream.stream_id] = stream
+        attach.stream_id = stream.stream_id
+        self._outbox.put_nowait(decode_pb2.RelayCommand(attach=attach))
+        return stream
+
+    def forget(self, stream: RelayStream, detach: bool) -> None:
+        if self._streams.pop(stream.stream_id, None) is not None and detach and self.open:
+            detach_command = decode_pb2.RelayDetach(stream_id=stream.stream_id)
+            self._outbox.put_nowait(decode_pb2.RelayCommand(detach=detach_command))
+
+    async def _commands(self):
+        while (command := await self._outbox.get()) is not None:
+            yield command
+
+    async def _read(self) -> None:
+        # However the call ends, its requests end with UNAVAILABLE (retried elsewhere): a
+        # request's own errors come as items, so the call's end means the worker is gone
+        # or going (draining; and a worker ending the call while an attach is in flight
+        # shows here as INTERNAL "Internal error from Core").
+        why = "the decode worker ended the relay (draining)"
+        try:
+            async for batch in self._call:
+                streams = self._streams
+                for item in batch.items:
+                    stream = streams.get(item.stream_id)
+                    if stream is not None:  # else it stopped early: drop what was in flight
+                        stream.put(item)
+        except grpc.aio.AioRpcError as exc:  # the worker died or went away
+            why = f"the relay to the decode worker broke ({exc.code().name}: {exc.details()})"
+        except asyncio.CancelledError:
+            why = "the router is stopping"
+            raise
+        finally:
+            self.open = False
+            self._outbox.put_nowait(None)  # ends the command stream (it may await forever)
+            error = _status_error(grpc.StatusCode.UNAVAILABLE, why)
+            streams, self._streams = self._streams, {}
+            for stream in streams.values():  # each ends, and forgets itself (a no-op now)
+                stream.put(error)
+
+    async def close(self) -> None:
+        self._outbox.put_nowait(None)
+        self._call.cancel()
+        try:
+            await self._reader
+        except asyncio.CancelledError:
+            pass
+
+
+class DecodeRelays:
+    """The router's Relay call to each decode worker, opened on first use, reopened if it broke."""
+
+    def __init__(self, channel_for):
+        self._channel_for = channel_for  # address -> grpc.aio.Channel
+        self._connections: dict[str, _RelayConnection] = {}
+
+    def open(self, address: str, attach: decode_pb2.RelayAttach,
+             timeout: float | None = None) -> RelayStream:  # fmt: skip
+        """Attach a request (a lease, or a colocated generation) to `address`'s call."""
+        connection = self._connections.get(address)
+        if connection is None or not connection.open:
+            stub = decode_pb2_grpc.DecodeStub(self._channel_for(address))
+            connection = self._connections[address] = _RelayConnection(stub)
+        return connection.attach(attach, timeout)
+
+    async def close(self) -> None:
+        for connection in self._connections.values():
+            await connection.close()
+        self._connections.clear()
+
+
+def _status_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    """The error a call of its own would have raised (no metadata: no rich details)."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
