@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 
 import grpc
@@ -120,6 +121,23 @@ async def test_admission_without_room_is_resource_exhausted_with_retry_info(clus
         assert any(detail.Unpack(retry) for detail in status.details)
         released = await stub.Release(decode_pb2.ReleaseRequest(lease_id=held.lease_id))
         assert released.released
+    load = decode.wait_idle()
+    assert (load.free_blocks, load.open_leases) == (decode.total_blocks, 0)
+
+
+async def test_admissions_abandoned_mid_call_leave_no_block_reserved(cluster):
+    """A caller that gives up on Admit (deadline, cancel) while the engine reserves."""
+    _, (_, decode) = cluster
+    params = sampling_params_to_proto(SamplingParams(max_tokens=4))
+    async with decode.channel() as ch:
+        stub = decode_pb2_grpc.DecodeStub(ch)
+        for i, prompt in enumerate(prompts([300] * 60, seed=9)):
+            # Leases that were issued all the same expire quickly; reservations that the
+            # caller abandoned before their lease existed must be freed by the worker.
+            request = decode_pb2.AdmitRequest(prompt_token_ids=prompt, sampling=params,
+                                              lease_ttl_ms=200)  # fmt: skip
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await stub.Admit(request, timeout=0.0005 * (i % 10 + 1))
     load = decode.wait_idle()
     assert (load.free_blocks, load.open_leases) == (decode.total_blocks, 0)
 

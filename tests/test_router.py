@@ -124,3 +124,6 @@ async def test_idempotent_retry_attaches_instead_of_running_again(cluster):
         generate(router_b, text="once only", request_id="idem-1", sampling=sampling, stream=True),
     )
     assert tokens_of(first) == tokens_of(second) and len(tokens_of(first)) == 12
+    # The call that lost the race had started on the workers too; nothing of it stays.
+    load = await asyncio.to_thread(cluster["decode"].wait_idle)
+    assert (load.free_blocks, load.open_leases, load.running) == (load.total_blocks, 0, 0)

@@ -471,7 +471,8 @@ def router_on_private_redis(cluster, demo_model_dir):
         redis.stop()
 
 
-async def test_without_redis_a_new_request_fails_fast_as_unavailable(router_on_private_redis):
+async def test_without_redis_a_new_request_fails_fast_as_unavailable(router_on_private_redis,
+                                                                     cluster):  # fmt: skip
     router, redis = router_on_private_redis
     await wait_for_workers(router, 2)
     assert tokens_of(await call(router, "Generate", generate_request()))  # serving before
@@ -483,6 +484,10 @@ async def test_without_redis_a_new_request_fails_fast_as_unavailable(router_on_p
     assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "request state unavailable" in raised.value.details()
     assert has_retry_info(raised.value)
+    # The request started on the workers while Redis was asked; nothing of it stays there.
+    for worker in (cluster["prefill"], cluster["decode"]):
+        load = worker.wait_idle()
+        assert (load.free_blocks, load.open_leases, load.running) == (load.total_blocks, 0, 0)
 
 
 async def test_a_stream_running_when_redis_stops_still_completes(router_on_private_redis,

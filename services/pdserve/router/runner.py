@@ -8,6 +8,7 @@ caller sees one uninterrupted stream.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -53,6 +54,7 @@ FINISHED = common_pb2.FINISH_REASON_UNSPECIFIED
 # of the requests one dead worker held do not all arrive at once.
 RETRY_BACKOFF_BASE_S = 0.05
 RETRY_BACKOFF_MAX_S = 0.5
+RELEASE_TIMEOUT_S = 5.0
 
 
 def _retryable(exc: BaseException) -> bool:
@@ -145,6 +147,7 @@ class RequestRunner:
         self.prefill_policy, self.decode_policy = prefill_policy, decode_policy
         self.dispatches = RecentDispatches()
         self.relays = DecodeRelays(channels.get)
+        self._releases: set[asyncio.Future] = set()  # abandoned leases being given back
 
     async def run(
         self,
@@ -217,11 +220,17 @@ class RequestRunner:
             # Recorded before the call: requests that arrive while it is in flight must
             # already see this one (a refused one makes a full worker look fuller: harmless).
             self.dispatches.record(worker.address, blocks_needed)
+            admitting = asyncio.ensure_future(stub.Admit(decode_pb2.AdmitRequest(
+                request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+                lease_ttl_ms=self.config.lease_ttl_ms,
+            ), timeout=timeout))  # fmt: skip
             try:
-                lease = await stub.Admit(decode_pb2.AdmitRequest(
-                    request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                    lease_ttl_ms=self.config.lease_ttl_ms,
-                ), timeout=timeout)  # fmt: skip
+                lease = await asyncio.shield(admitting)
+            except asyncio.CancelledError:
+                # We stop here, but the worker may admit all the same: give that lease
+                # back at once rather than leave its blocks reserved until it expires.
+                admitting.add_done_callback(lambda done, s=stub: self._give_back(s, done))
+                raise
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     exhausted += 1
@@ -236,6 +245,20 @@ class RequestRunner:
         if exhausted:
             raise KVCapacityError(f"no decode worker has room ({exhausted} full)")
         raise UnavailableError("no decode worker reachable")
+
+    def _give_back(self, stub: decode_pb2_grpc.DecodeStub, admitting: asyncio.Future) -> None:
+        if admitting.cancelled() or admitting.exception() is not None:
+            return
+        release = stub.Release(decode_pb2.ReleaseRequest(lease_id=admitting.result().lease_id),
+                               timeout=RELEASE_TIMEOUT_S)  # fmt: skip
+        task = asyncio.ensure_future(release)
+        self._releases.add(task)
+        task.add_done_callback(self._released)
+
+    def _released(self, task: asyncio.Future) -> None:
+        self._releases.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # it expires in the end
+            log.info("giving back an abandoned lease failed: %s", task.exception())
 
     async def _prefill(self, hashes, request_id, prompt, sampling, decode, lease, progress,
                        timeout) -> decode_pb2.TokenDelta:  # fmt: skip

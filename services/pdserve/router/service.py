@@ -86,20 +86,33 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         record = RequestRecord(request_id=request_id, status=RequestStatus.QUEUED,
                                prompt_tokens=len(prompt), router_id=self.router_id,
                                created_at=time.time(), updated_at=time.time())  # fmt: skip
-        if not await self.store.create(record):  # another call won the race: follow it
+        progress = Progress(on_change=lambda p: self._record_progress(request_id, p))
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def start() -> asyncio.Task:
+            return asyncio.create_task(self._pump(request_id, prompt, sampling, progress,
+                                                  context.time_remaining(), queue))  # fmt: skip
+
+        # An id of our making cannot be taken already: the request starts while Redis
+        # records it, so the record's round trip overlaps admission instead of adding to
+        # TTFT (its deltas wait in the queue). A client's id may be (a retry racing its
+        # original): that request starts only once the record is ours.
+        task = None if request.request_id else start()
+        try:
+            created = await self.store.create(record)
+        except BaseException:  # Redis down, or the client left: stop what started
+            if task is not None:
+                task.cancel()
+            raise
+        if not created:  # another call won the race: follow it
             async for message in self._replay(request_id, offset, request.stream):
                 yield message
             return
-        async for message in self._run(request_id, prompt, sampling, received, request.stream,
-                                       context):  # fmt: skip
+        async for message in self._run(request_id, task or start(), progress, queue, received,
+                                       request.stream):  # fmt: skip
             yield message
 
-    async def _run(self, request_id, prompt, sampling, received, stream, context):
-        progress = Progress(on_change=lambda p: self._record_progress(request_id, p))
-        queue: asyncio.Queue = asyncio.Queue()
-        timeout = context.time_remaining()
-        task = asyncio.create_task(self._pump(request_id, prompt, sampling, progress, timeout,
-                                              queue))  # fmt: skip
+    async def _run(self, request_id, task, progress, queue, received, stream):
         self.running[request_id] = _Running(task, progress)
         offset, collected = 0, router_pb2.GenerateResponse(request_id=request_id)
         try:
