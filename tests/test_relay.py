@@ -53,6 +53,14 @@ def generate(prompt: list[int], params: SamplingParams, interval: int = 1):
     return decode_pb2.RelayAttach(stream_interval=interval, generate=request)
 
 
+async def attach_generations(call, batch: list[list[int]], params: SamplingParams) -> None:
+    """By hand on a raw Relay call: stream ids 1, 2, ... in order."""
+    for stream_id, prompt in enumerate(batch, start=1):
+        attach = generate(prompt, params)
+        attach.stream_id = stream_id
+        await call.write(decode_pb2.RelayCommand(attach=attach))
+
+
 async def collect(stream) -> tuple[list[int], list[decode_pb2.TokenDelta]]:
     deltas: list[decode_pb2.TokenDelta] = []
     await stream.deliver(deltas.append)
@@ -126,10 +134,7 @@ async def test_one_batch_carries_a_step_of_every_request(cluster):
     _, decode = cluster
     async with decode.channel() as channel:
         call = decode_pb2_grpc.DecodeStub(channel).Relay()
-        for stream_id, prompt in enumerate(prompts(8, seed=3), start=1):
-            attach = generate(prompt, GREEDY)
-            attach.stream_id = stream_id
-            await call.write(decode_pb2.RelayCommand(attach=attach))
+        await attach_generations(call, prompts(8, seed=3), GREEDY)
         finished, most_streams_in_a_batch = set(), 0
         while len(finished) < 8:
             batch = await call.read()
@@ -181,10 +186,7 @@ async def test_closing_the_call_aborts_every_request_on_it(cluster):
     _, decode = cluster
     async with decode.channel() as channel:
         call = decode_pb2_grpc.DecodeStub(channel).Relay()
-        for stream_id, prompt in enumerate(prompts(4, seed=5), start=1):
-            attach = generate(prompt, LONG)
-            attach.stream_id = stream_id
-            await call.write(decode_pb2.RelayCommand(attach=attach))
+        await attach_generations(call, prompts(4, seed=5), LONG)
         await call.read()
         call.cancel()  # the router went away
     load = await asyncio.to_thread(decode.wait_idle)
