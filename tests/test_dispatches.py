@@ -58,6 +58,34 @@ def test_old_dispatches_drop_out_after_the_horizon_and_others_are_untouched():
     assert dispatches.adjust([stale])[0] is stale
 
 
+def test_thousands_of_dispatches_count_exactly_across_expiry_and_trimming():
+    """Against a plain recount, while old dispatches expire and the lists get trimmed."""
+    clock = Clock()
+    dispatches = RecentDispatches(horizon_s=2.0, clock=clock)
+    sent: list[tuple[float, int]] = []  # every dispatch to a:1, as (time, blocks)
+    for i in range(6000):
+        blocks = i % 7
+        dispatches.record("a:1", blocks=blocks)
+        sent.append((clock.now, blocks))
+        clock.now += 0.001
+        if i % 250 == 0:
+            # a worker that reported 0.4 s ago, and one whose report never moves
+            for snapshot_at in (clock.now - 0.4, 0.0):
+                (seen,) = dispatches.adjust([decode("a:1", updated_at=snapshot_at)])
+                unseen = [b for at, b in sent if at > snapshot_at and at >= clock.now - 2.0]
+                assert (seen.waiting, seen.free_blocks) == (len(unseen), 100 - sum(unseen)), i
+
+
+def test_a_clock_that_steps_back_never_hides_a_dispatch():
+    clock = Clock()
+    dispatches = RecentDispatches(clock=clock)
+    dispatches.record("a:1", blocks=3)
+    clock.now -= 0.5  # NTP stepped the wall clock back
+    dispatches.record("a:1", blocks=4)
+    (seen,) = dispatches.adjust([decode("a:1", updated_at=999.9)])  # before both
+    assert (seen.waiting, seen.free_blocks) == (2, 100 - 7)
+
+
 def test_the_horizon_must_be_positive():
     with pytest.raises(ValueError, match="horizon_s"):
         RecentDispatches(horizon_s=0)

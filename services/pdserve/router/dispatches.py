@@ -15,23 +15,51 @@ dispatch counts twice at worst for a moment: a conservative error, never a lost 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from pdserve.state.registry import WorkerInfo
 
 # a heartbeat interval (1 s) plus a discovery refresh (0.5 s), with room to spare
 DEFAULT_HORIZON_S = 3.0
+COMPACT_AFTER = 1024  # expired dispatches kept before a worker's lists are trimmed
 
 
-@dataclass(frozen=True, slots=True)
-class Dispatch:
-    at: float  # unix seconds, comparable with WorkerInfo.updated_at
-    address: str
-    blocks: int
+class _Sent:
+    """One worker's dispatches within the horizon: their times, ascending, and running
+    totals of their blocks, so what came after a snapshot is a bisection away, however
+    many requests per second the router sends."""
+
+    __slots__ = ("times", "totals", "base", "start")
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.totals: list[int] = []  # totals[i]: base + blocks of dispatches 0..i
+        self.base = 0  # blocks of the dispatches trimmed off the front
+        self.start = 0  # dispatches before it are past the horizon
+
+    def add(self, at: float, blocks: int) -> None:
+        # A wall clock may step back: keep the times sorted (a dispatch then counts as
+        # a little later, never as seen before it was sent).
+        self.times.append(max(at, self.times[-1]) if self.times else at)
+        self.totals.append((self.totals[-1] if self.totals else self.base) + blocks)
+
+    def expire(self, before: float) -> None:
+        self.start = bisect.bisect_left(self.times, before, self.start)
+        if self.start > COMPACT_AFTER and self.start * 2 > len(self.times):
+            self.base = self.totals[self.start - 1]
+            del self.times[: self.start], self.totals[: self.start]
+            self.start = 0
+
+    def since(self, at: float) -> tuple[int, int]:
+        """(how many, their blocks) dispatched after `at`, within the horizon."""
+        first = bisect.bisect_right(self.times, at, self.start)
+        count = len(self.times) - first
+        if not count:
+            return 0, 0
+        return count, self.totals[-1] - (self.totals[first - 1] if first else self.base)
 
 
 class RecentDispatches:
@@ -42,11 +70,14 @@ class RecentDispatches:
         if horizon_s <= 0:
             raise ValueError(f"horizon_s must be > 0, got {horizon_s}")
         self.horizon_s, self._clock = horizon_s, clock
-        self._dispatches: deque[Dispatch] = deque()  # oldest first
+        self._sent: dict[str, _Sent] = {}
 
     def record(self, address: str, blocks: int = 0) -> None:
         """A request was just sent to ``address`` and will hold ``blocks`` KV blocks there."""
-        self._dispatches.append(Dispatch(self._clock(), address, blocks))
+        sent = self._sent.get(address)
+        if sent is None:
+            sent = self._sent[address] = _Sent()
+        sent.add(self._clock(), blocks)
 
     def adjust(self, workers: Sequence[WorkerInfo]) -> list[WorkerInfo]:
         """``workers`` as they will report once they have seen what we sent since.
@@ -55,22 +86,17 @@ class RecentDispatches:
         takes its blocks from ``free_blocks``. Workers with none come back unchanged
         (the same objects, so per-snapshot caches keyed on them keep working).
         """
-        now = self._clock()
-        while self._dispatches and self._dispatches[0].at < now - self.horizon_s:
-            self._dispatches.popleft()
-        if not self._dispatches:
-            return list(workers)
-        by_address: dict[str, list[Dispatch]] = {}
-        for dispatch in self._dispatches:
-            by_address.setdefault(dispatch.address, []).append(dispatch)
+        horizon = self._clock() - self.horizon_s
         adjusted = []
         for worker in workers:
-            unseen = [d for d in by_address.get(worker.address, ()) if d.at > worker.updated_at]
-            if unseen:
-                worker = dataclasses.replace(
-                    worker,
-                    waiting=worker.waiting + len(unseen),
-                    free_blocks=worker.free_blocks - sum(d.blocks for d in unseen),
-                )
+            sent = self._sent.get(worker.address)
+            if sent is not None:
+                sent.expire(horizon)
+                count, blocks = sent.since(worker.updated_at)
+                if count:
+                    worker = dataclasses.replace(
+                        worker, waiting=worker.waiting + count,
+                        free_blocks=worker.free_blocks - blocks,
+                    )  # fmt: skip
             adjusted.append(worker)
         return adjusted
