@@ -264,5 +264,6 @@ async def test_a_draining_worker_finishes_its_streams_then_ends_the_call(
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await collect(late)
             assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert not relays._connections  # a broken call is not kept for the address
             await relays.close()
         assert decode.proc.wait(timeout=30) == 0

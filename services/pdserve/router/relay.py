@@ -103,7 +103,9 @@ class RelayStream:
 class _RelayConnection:
     """One Relay call: commands go out through an outbox, batches are sorted by stream."""
 
-    def __init__(self, stub: decode_pb2_grpc.DecodeStub):
+    def __init__(self, stub: decode_pb2_grpc.DecodeStub,
+                 on_closed: Callable[[_RelayConnection], None]):  # fmt: skip
+        self._on_closed = on_closed
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._streams: dict[int, RelayStream] = {}
         self._ids = itertools.count(1)
@@ -147,6 +149,7 @@ class _RelayConnection:
             raise
         finally:
             self.open = False
+            self._on_closed(self)
             self._outbox.put_nowait(None)  # ends the command stream (it may await forever)
             error = _status_error(grpc.StatusCode.UNAVAILABLE, why)
             streams, self._streams = self._streams, {}
@@ -175,11 +178,18 @@ class DecodeRelays:
         connection = self._connections.get(address)
         if connection is None or not connection.open:
             stub = decode_pb2_grpc.DecodeStub(self._channel_for(address))
-            connection = self._connections[address] = _RelayConnection(stub)
+            connection = self._connections[address] = _RelayConnection(
+                stub, lambda closed: self._forget(address, closed)
+            )
         return connection.attach(attach, timeout)
 
+    def _forget(self, address: str, closed: _RelayConnection) -> None:
+        # Workers come and go (pods move): drop a broken call, unless already replaced.
+        if self._connections.get(address) is closed:
+            del self._connections[address]
+
     async def close(self) -> None:
-        for connection in self._connections.values():
+        for connection in list(self._connections.values()):
             await connection.close()
         self._connections.clear()
 
