@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 
@@ -99,3 +100,48 @@ def test_reserve_without_room_raises_capacity_error(demo_model_dir):
         decode.reserve_kv(list(range(3, 40)), SamplingParams(max_tokens=8), "b")
     decode.abort("a")
     assert decode.block_manager.num_free_blocks == 4
+
+
+def test_reservations_from_another_thread_while_the_engine_steps(demo_model_dir):
+    """A decode worker reserves on its event loop's thread while its engine thread steps:
+    no block is ever handed out twice, the running requests' tokens do not change, and
+    the pool is whole at the end. (Under the GIL a missing lock rarely shows in one run;
+    this checks the cross-thread path works, not that every interleaving is safe.)"""
+    prompts = [[3 + (7 * i + j) % 900 for j in range(20 + 9 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    expected = LLMEngine.from_pretrained(demo_model_dir).generate(prompts, params)
+
+    engine = LLMEngine.from_pretrained(demo_model_dir, num_kv_blocks=96)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=f"run-{i}")
+    stop, problems, num_reserved = threading.Event(), [], 0
+
+    def reserve_and_release() -> None:
+        nonlocal num_reserved
+        while not stop.is_set():
+            request_id = f"reserved-{num_reserved}"
+            try:
+                block_ids = engine.reserve_kv(list(range(3, 3 + 40)), params, request_id)
+            except KVCapacityError:
+                continue
+            with engine._state_lock:  # what the running requests hold right now
+                held = {b for r in engine.scheduler.running for b in r.block_ids}
+            if held & set(block_ids):
+                problems.append(f"{request_id} got blocks a running request holds")
+            engine.release_kv(request_id)
+            num_reserved += 1
+
+    reserver = threading.Thread(target=reserve_and_release)
+    reserver.start()
+    tokens: dict[str, list[int]] = {}
+    try:
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                tokens.setdefault(delta.request_id, []).extend(delta.token_ids)
+    finally:
+        stop.set()
+        reserver.join()
+    assert not problems
+    assert num_reserved > 0
+    assert [tokens[f"run-{i}"] for i in range(len(prompts))] == [e.token_ids for e in expected]
+    assert engine.block_manager.num_free_blocks == 96

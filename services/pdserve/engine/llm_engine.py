@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -68,6 +69,11 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         # Requests holding blocks for a prompt KV being imported (not yet scheduled).
         self._reserved: dict[str, Request] = {}
+        # Guards the scheduler, the block pool and the reservations. `step` holds it only
+        # while it schedules and while it takes in the step's tokens, not while the model
+        # runs, so that `reserve_kv` (a decode worker's Admit, on another thread) waits
+        # for no step. Everything else runs on the thread that steps.
+        self._state_lock = threading.RLock()
         self._ids = itertools.count()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.model_config.eos_token_ids
@@ -88,22 +94,24 @@ class LLMEngine:
         """Queue a request (text or token ids); return its id. Raises InvalidRequestError."""
         params = params if params is not None else SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if self.scheduler.get_request(request_id) is not None:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         prompt_ids = self._prompt_token_ids(prompt)
         self._validate(prompt_ids, params)
         request = Request(request_id, prompt_ids, replace(params), self.eos_token_ids,
                           arrival_time=time.monotonic())  # fmt: skip
-        self.outputs.add(request)
-        self.scheduler.add_request(request)
+        with self._state_lock:
+            if self.scheduler.get_request(request_id) is not None:
+                raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+            self.outputs.add(request)
+            self.scheduler.add_request(request)
         return request_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks. Unknown ids raise UnknownRequestError."""
-        if request_id in self._reserved:
-            self.release_kv(request_id)
-        elif self.scheduler.abort_request(request_id) is None:
-            raise UnknownRequestError(request_id)
+        with self._state_lock:
+            if request_id in self._reserved:
+                self.release_kv(request_id)
+            elif self.scheduler.abort_request(request_id) is None:
+                raise UnknownRequestError(request_id)
         self.outputs.drop(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -118,7 +126,8 @@ class LLMEngine:
         for the step are in the cache: the KV-transfer path exports layers from it
         while later layers still compute.
         """
-        plan = self.scheduler.schedule()
+        with self._state_lock:
+            plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
         callback = None
@@ -130,13 +139,15 @@ class LLMEngine:
             for s, token, lp in zip(sampled, sampler_out.token_ids, sampler_out.logprobs,
                                     strict=True):  # fmt: skip
                 tokens[s.request.request_id], logprobs[s.request.request_id] = token, lp
-        advanced = self.scheduler.update_from_output(plan, tokens)
+        with self._state_lock:
+            advanced = self.scheduler.update_from_output(plan, tokens)
         deltas = []
         for request in advanced:
             rid = request.request_id
             delta, hit_stop_string = self.outputs.process(request, tokens[rid], logprobs[rid])
             if hit_stop_string:
-                self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+                with self._state_lock:
+                    self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
             if delta.finished:
                 self.outputs.drop(rid)
             deltas.append(delta)
@@ -190,21 +201,24 @@ class LLMEngine:
         """Allocate blocks for a prompt whose KV will be imported; return their ids.
 
         Raises InvalidRequestError for a bad request, KVCapacityError when the blocks
-        are not free now. `release_kv` or `commit_kv` must follow.
+        are not free now. `release_kv` or `commit_kv` must follow. Safe to call from
+        another thread while `step` runs (it waits only while a step schedules or takes
+        in its tokens).
         """
-        if request_id in self._reserved or self.scheduler.get_request(request_id) is not None:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         prompt_ids = self._prompt_token_ids(list(prompt_token_ids))
         self._validate(prompt_ids, params)
         request = Request(request_id, prompt_ids, replace(params), self.eos_token_ids,
                           arrival_time=time.monotonic())  # fmt: skip
-        if self.block_manager.allocate_slots(request, len(prompt_ids)) is None:
-            raise KVCapacityError(
-                f"{self._blocks_for(len(prompt_ids))} KV blocks needed, "
-                f"{self.block_manager.num_free_blocks} free"
-            )
-        self._reserved[request_id] = request
-        return list(request.block_ids)
+        with self._state_lock:
+            if request_id in self._reserved or self.scheduler.get_request(request_id) is not None:
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+            if self.block_manager.allocate_slots(request, len(prompt_ids)) is None:
+                raise KVCapacityError(
+                    f"{self._blocks_for(len(prompt_ids))} KV blocks needed, "
+                    f"{self.block_manager.num_free_blocks} free"
+                )
+            self._reserved[request_id] = request
+            return list(request.block_ids)
 
     def import_kv(self, request_id: str, chunk: KVLayerChunk, first_block: int = 0) -> None:
         """Write a chunk into a reserved request's blocks, from block index `first_block`."""
@@ -222,20 +236,22 @@ class LLMEngine:
 
     def commit_kv(self, request_id: str, first_token_id: int) -> None:
         """The prompt's KV is complete: continue the request from its first token."""
-        request = self._reserved.pop(request_id, None)
-        if request is None:
-            raise UnknownRequestError(request_id)
-        request.num_computed_tokens = request.num_prompt_tokens
-        request.append_output_token(first_token_id)
-        self.outputs.add(request, already_sent=[first_token_id])
-        self.scheduler.add_prefilled_request(request)
+        with self._state_lock:
+            request = self._reserved.pop(request_id, None)
+            if request is None:
+                raise UnknownRequestError(request_id)
+            request.num_computed_tokens = request.num_prompt_tokens
+            request.append_output_token(first_token_id)
+            self.outputs.add(request, already_sent=[first_token_id])
+            self.scheduler.add_prefilled_request(request)
 
     def release_kv(self, request_id: str) -> None:
         """Give back a reservation that will not be committed (lease expired or cancelled)."""
-        request = self._reserved.pop(request_id, None)
-        if request is None:
-            raise UnknownRequestError(request_id)
-        self.block_manager.free(request)
+        with self._state_lock:
+            request = self._reserved.pop(request_id, None)
+            if request is None:
+                raise UnknownRequestError(request_id)
+            self.block_manager.free(request)
 
     def _live_request(self, request_id: str) -> Request:
         request = self.scheduler.get_request(request_id) or self._reserved.get(request_id)

@@ -56,17 +56,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         prompt = list(request.prompt_token_ids)
         ttl = request.lease_ttl_ms / 1000 if request.lease_ttl_ms else worker.config.lease_ttl_s
         sink = worker.loop.open_sink(request_id)
-        reserving = asyncio.ensure_future(
-            worker.loop.call(worker.engine.reserve_kv, prompt, params, request_id)
-        )
         try:
-            block_ids = await asyncio.shield(reserving)
-        except BaseException as exc:
+            # Right here, not between engine steps: the engine takes a reservation while
+            # its model runs, so Admit waits for no step (~one decode step off TTFT). With
+            # no await until the lease exists, a caller that leaves strands nothing.
+            block_ids = worker.engine.reserve_kv(prompt, params, request_id)
+        except BaseException:
             worker.loop.close_sink(request_id)
-            if isinstance(exc, asyncio.CancelledError):
-                # The caller went away. The engine thread may reserve the blocks anyway,
-                # with no lease to ever free them: free them once it has.
-                reserving.add_done_callback(lambda done: self._unreserve(done, request_id))
             raise
         lease = worker.leases.issue(request_id, len(block_ids), ttl)
         self.admitted[lease.lease_id] = _Admitted(lease, sink)
@@ -76,10 +72,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             deadline_unix_ms=lease.deadline_unix_ms,
             layout=worker.layout,
         )
-
-    def _unreserve(self, reserving: asyncio.Future, request_id: str) -> None:
-        if not reserving.cancelled() and reserving.exception() is None:
-            self.spawn(self.worker.abort_quietly(request_id))
 
     @rpc_errors
     async def Stream(self, request, context):
