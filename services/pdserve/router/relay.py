@@ -87,14 +87,13 @@ class RelayStream:
         if self._over:
             return
         self._over = True
-        if self._ended.done():  # cancelled along with the task awaiting it
-            pass
-        elif error is None:
-            self._ended.set_result(None)
-        else:
-            self._ended.set_exception(error)
-            if self._consumer is None:  # nobody may ever await it: no "never retrieved"
-                self._ended.exception()
+        if not self._ended.done():  # else it was cancelled along with the task awaiting it
+            if error is None:
+                self._ended.set_result(None)
+            else:
+                self._ended.set_exception(error)
+                if self._consumer is None:  # nobody may ever await it: no "never retrieved"
+                    self._ended.exception()
         if self._deadline is not None:
             self._deadline.cancel()
         self._connection.forget(self, detach)
@@ -157,8 +156,7 @@ class _RelayConnection:
                 stream.put(error)
 
     async def close(self) -> None:
-        self._outbox.put_nowait(None)
-        self._call.cancel()
+        self._call.cancel()  # the reader's `finally` ends the command stream
         try:
             await self._reader
         except asyncio.CancelledError:

@@ -24,7 +24,7 @@ EXPIRY_CHECK_S = 0.05
 
 @dataclass
 class _Admitted:
-    """A lease's request on this worker, from Admit until its Stream ends."""
+    """A lease's request on this worker, from Admit until its stream (Stream or Relay) ends."""
 
     lease: Lease
     sink: Sink
@@ -98,23 +98,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if admitted is None:
             return decode_pb2.ReleaseResponse(released=False)
         await self.close_lease(admitted, LeaseState.RELEASED,
-                          LeaseError("not_found", "lease released by its holder"))  # fmt: skip
+                               LeaseError("not_found", "lease released by its holder"))  # fmt: skip
         return decode_pb2.ReleaseResponse(released=True)
 
     @rpc_errors
     async def Generate(self, request, context):
-        worker = self.worker
-        worker.check_admitting()
         request_id = request.request_id or uuid.uuid4().hex
-        params = sampling_params_from_proto(request.sampling)
-        sink = worker.loop.open_sink(request_id)
-        try:
-            await worker.loop.call(worker.engine.add_request, list(request.prompt_token_ids),
-                                   params, request_id)  # fmt: skip
-        except BaseException:
-            worker.loop.close_sink(request_id)
-            raise
-        async for delta in worker.stream_deltas(
+        sink = await self.worker.start_local(request, request_id)
+        async for delta in self.worker.stream_deltas(
             request_id, sink, stream_interval=request.stream_interval
         ):
             yield delta
@@ -187,7 +178,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 overdue = now > lease.deadline + self.worker.config.lease_ttl_s
                 if lease.state is LeaseState.COMMITTED and not admitted.stream_attached and overdue:
                     await self.close_lease(admitted, LeaseState.RELEASED,
-                                      LeaseError("expired", "no stream attached"))  # fmt: skip
+                                           LeaseError("expired", "no stream attached"))  # fmt: skip
 
     async def close(self) -> None:
         if self._expiry_task is not None:

@@ -19,7 +19,6 @@ from pdserve.api.v1 import decode_pb2
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.kv.lease import LeaseError, LeaseState
 from pdserve.rpc_errors import to_status
-from pdserve.wire import sampling_params_from_proto
 from pdserve.worker.worker import PendingDeltas
 
 if TYPE_CHECKING:
@@ -122,21 +121,19 @@ class RelayCall:
         admitted.sink.forward_to(lambda item: self._on_item(attached, item))
 
     async def _generate(self, attached: _Attached, request: decode_pb2.LocalGenerateRequest):
-        worker = self.worker
+        if attached.ended:  # detached before this task ran
+            return
         try:
-            worker.check_admitting()
-            params = sampling_params_from_proto(request.sampling)
-            sink = worker.loop.open_sink(attached.request_id)
-            sink.forward_to(lambda item: self._on_item(attached, item))
-            await worker.loop.call(worker.engine.add_request, list(request.prompt_token_ids),
-                                   params, attached.request_id)  # fmt: skip
+            sink = await self.worker.start_local(request, attached.request_id)
         except Exception as exc:
-            worker.loop.close_sink(attached.request_id)
             if not attached.ended:
                 self._fail(attached, exc)
             return
         if attached.ended:  # detached (or the call ended) while it was being added
-            await worker.abort_quietly(attached.request_id)
+            self.worker.loop.close_sink(attached.request_id)
+            await self.worker.abort_quietly(attached.request_id)
+            return
+        sink.forward_to(lambda item: self._on_item(attached, item))
 
     # -- what the engine produced -------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.kv.lease import LeaseTable
 from pdserve.rpc_errors import UnavailableError
 from pdserve.state.registry import MAX_CACHED_BLOCK_HASHES, ROLES, WorkerInfo
-from pdserve.wire import deltas_to_proto
+from pdserve.wire import deltas_to_proto, sampling_params_from_proto
 from pdserve.worker.engine_loop import EngineLoop, Sink
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,20 @@ class Worker:
             waiting=engine.scheduler.num_waiting,
             open_leases=len(self.leases),
         )
+
+    async def start_local(self, request: decode_pb2.LocalGenerateRequest,
+                          request_id: str) -> Sink:  # fmt: skip
+        """Queue a colocated request (prefill and decode here); its deltas arrive in the sink."""
+        self.check_admitting()
+        params = sampling_params_from_proto(request.sampling)
+        sink = self.loop.open_sink(request_id)
+        try:
+            await self.loop.call(self.engine.add_request, list(request.prompt_token_ids),
+                                 params, request_id)  # fmt: skip
+        except BaseException:
+            self.loop.close_sink(request_id)
+            raise
+        return sink
 
     async def stream_deltas(
         self, request_id: str, sink: Sink, num_output_tokens: int = 0, stream_interval: int = 1,
