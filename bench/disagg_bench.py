@@ -59,11 +59,11 @@ from pdserve.api.v1 import (
     prefill_pb2_grpc,
 )
 from pdserve.cluster.processes import ChildProcess, spawn, wait_ready
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.demo_model import write_demo_model
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.transfer import KVPusher, PushTotals, keep_freed_memory
-from pdserve.wire import sampling_params_to_proto
+from pdserve.rpc.wire import sampling_params_to_proto
 from pdserve.worker.handoff import disaggregated_generate
 from pdserve.worker.worker import WorkerConfig
 
@@ -156,10 +156,24 @@ def worker_processes(roles: list[str], model_dir: Path, log_dir: Path):
     with ExitStack() as stack:
         children = []
         for i, role in enumerate(roles):
-            child = spawn(f"{role}-{i}", [
-                "serve", role, "--model", str(model_dir), "--port", "0", "--device", "cpu",
-                "--threads", str(THREADS), "--num-kv-blocks", str(NUM_KV_BLOCKS),
-            ], str(log_dir))  # fmt: skip
+            child = spawn(
+                f"{role}-{i}",
+                [
+                    "serve",
+                    role,
+                    "--model",
+                    str(model_dir),
+                    "--port",
+                    "0",
+                    "--device",
+                    "cpu",
+                    "--threads",
+                    str(THREADS),
+                    "--num-kv-blocks",
+                    str(NUM_KV_BLOCKS),
+                ],
+                str(log_dir),
+            )
             stack.callback(child.stop)
             children.append(child)
         yield [wait_ready(child) for child in children]
@@ -216,12 +230,19 @@ class PrefillSide:
     def __init__(self, model_dir: Path, decode_address: str):
         config = WorkerConfig(role="prefill", model=str(model_dir))  # the worker's defaults
         self.engine = LLMEngine.from_pretrained(
-            model_dir, device="cpu", dtype="float32", block_size=BLOCK_SIZE,
-            num_kv_blocks=NUM_KV_BLOCKS, enable_prefix_caching=False,
-        )  # fmt: skip
+            model_dir,
+            device="cpu",
+            dtype="float32",
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=NUM_KV_BLOCKS,
+            enable_prefix_caching=False,
+        )
         self.num_layers = self.engine.model_config.num_layers
-        self.pusher = KVPusher(decode_address, num_streams=config.kv_streams,
-                               max_message_bytes=config.max_message_bytes)  # fmt: skip
+        self.pusher = KVPusher(
+            decode_address,
+            num_streams=config.kv_streams,
+            max_message_bytes=config.max_message_bytes,
+        )
         self.channel = grpc.insecure_channel(decode_address)
         self.decode = decode_pb2_grpc.DecodeStub(self.channel)
         self.kv = kv_transfer_pb2_grpc.KVTransferStub(self.channel)
@@ -271,9 +292,13 @@ class PrefillSide:
         return TransferRun(start, compute_end, compute_end, pushed_at, cpu_s, totals)
 
     def _begin(self, prompt: list[int]) -> tuple[str, str]:
-        lease = self.decode.Admit(decode_pb2.AdmitRequest(
-            prompt_token_ids=prompt, sampling=sampling_params_to_proto(greedy(HANDOFF_TOKENS)),
-        ), timeout=10)  # fmt: skip
+        lease = self.decode.Admit(
+            decode_pb2.AdmitRequest(
+                prompt_token_ids=prompt,
+                sampling=sampling_params_to_proto(greedy(HANDOFF_TOKENS)),
+            ),
+            timeout=10,
+        )
         return lease.lease_id, self.engine.add_request(prompt, greedy(HANDOFF_TOKENS))
 
     def _timed_push(self, lease_id: str, chunks: Iterator) -> tuple[float, PushTotals]:
@@ -297,37 +322,56 @@ class PrefillSide:
 def bench_transfer(side: PrefillSide, w: Workload, rng: random.Random) -> list[Result]:
     n = w.transfer_prompt_len
     overlapped, serial = alternate(
-        w.transfer_repeats, w.warmups,
+        w.transfer_repeats,
+        w.warmups,
         lambda: side.overlapped(random_prompt(n, rng)),
         lambda: side.serial(random_prompt(n, rng)),
-    )  # fmt: skip
+    )
     totals = {run.totals for run in overlapped + serial}
     pusher = side.pusher
-    print(f"KV per {n}-token prompt: {totals}; pushed over {pusher.num_streams} stream(s), "
-          f"messages up to {pusher.max_message_bytes >> 20} MiB")  # fmt: skip
+    print(
+        f"KV per {n}-token prompt: {totals}; pushed over {pusher.num_streams} stream(s), "
+        f"messages up to {pusher.max_message_bytes >> 20} MiB"
+    )
     for name, runs in (("overlapped", overlapped), ("without overlap", serial)):
-        print(f"{name} runs, ms (compute, exposed, last layer -> pushed): " + ", ".join(
-            f"({r.compute_s * 1e3:.0f}, {r.exposed_s * 1e3:.1f}, {r.after_last_layer_s * 1e3:.1f})"
-            for r in runs
-        ))  # fmt: skip
+        print(
+            f"{name} runs, ms (compute, exposed, last layer -> pushed): "
+            + ", ".join(
+                f"({r.compute_s * 1e3:.0f}, {r.exposed_s * 1e3:.1f}, {r.after_last_layer_s * 1e3:.1f})"
+                for r in runs
+            )
+        )
 
     def row(metric: str, figure: Callable[[TransferRun], float], target=None) -> Result:
-        value, baseline = (statistics.median(figure(r) for r in runs) * 1e3
-                           for runs in (overlapped, serial))  # fmt: skip
+        value, baseline = (
+            statistics.median(figure(r) for r in runs) * 1e3 for runs in (overlapped, serial)
+        )
         return Result(metric, value, baseline, unit="ms", target=target)
 
     return [
-        row(f"KV transfer exposed after prefill compute ends, {n}-token prompt "
-            "(layer-wise overlap vs none)", lambda r: r.exposed_s, target=0.25),
-        row("KV transfer after the last layer is computed (overlap vs none)",
-            lambda r: r.after_last_layer_s),
-        row(f"prefill compute, {n}-token prompt (exporting each layer during it vs not)",
-            lambda r: r.compute_s),
-        row("prefill compute, CPU time of the engine thread (the same two)",
-            lambda r: r.compute_cpu_s),
-        row("prefill start to prompt KV on the decode worker (overlap vs none)",
-            lambda r: r.kv_ready_s),
-    ]  # fmt: skip
+        row(
+            f"KV transfer exposed after prefill compute ends, {n}-token prompt "
+            "(layer-wise overlap vs none)",
+            lambda r: r.exposed_s,
+            target=0.25,
+        ),
+        row(
+            "KV transfer after the last layer is computed (overlap vs none)",
+            lambda r: r.after_last_layer_s,
+        ),
+        row(
+            f"prefill compute, {n}-token prompt (exporting each layer during it vs not)",
+            lambda r: r.compute_s,
+        ),
+        row(
+            "prefill compute, CPU time of the engine thread (the same two)",
+            lambda r: r.compute_cpu_s,
+        ),
+        row(
+            "prefill start to prompt KV on the decode worker (overlap vs none)",
+            lambda r: r.kv_ready_s,
+        ),
+    ]
 
 
 # -- 2. TTFT --------------------------------------------------------------------------------
@@ -354,9 +398,12 @@ async def colocated_ttft(both: decode_pb2_grpc.DecodeStub, prompt: list[int]) ->
 
 
 def bench_ttft(
-    prefill: ChildProcess, decode: ChildProcess, both: ChildProcess, w: Workload,
+    prefill: ChildProcess,
+    decode: ChildProcess,
+    both: ChildProcess,
+    w: Workload,
     rng: random.Random,
-) -> list[Result]:  # fmt: skip
+) -> list[Result]:
     n = w.ttft_prompt_len
     with asyncio.Runner() as runner:  # one loop: the channels stay open across runs
         channels = [grpc.aio.insecure_channel(p.address) for p in (prefill, decode, both)]
@@ -367,11 +414,15 @@ def bench_ttft(
         prompts = [random_prompt(n, rng) for _ in range(w.warmups + w.ttft_repeats)]
         disaggregated_prompts, colocated_prompts = iter(prompts), iter(prompts)
         disaggregated, colocated = alternate(
-            w.ttft_repeats, w.warmups,
-            lambda: runner.run(disaggregated_ttft(
-                prefill_stub, decode_stub, decode.address, next(disaggregated_prompts))),
+            w.ttft_repeats,
+            w.warmups,
+            lambda: runner.run(
+                disaggregated_ttft(
+                    prefill_stub, decode_stub, decode.address, next(disaggregated_prompts)
+                )
+            ),
             lambda: runner.run(colocated_ttft(both_stub, next(colocated_prompts))),
-        )  # fmt: skip
+        )
         for channel in channels:
             runner.run(channel.close())
     print("TTFT disaggregated ms: " + ", ".join(f"{s * 1e3:.0f}" for s in disaggregated))
@@ -387,11 +438,21 @@ def bench_ttft(
             unit="ms",
             target=1.15,
         ),
-        Result(f"TTFT, {n}-token prompt, p90", p90(disaggregated) * 1e3,
-               p90(colocated) * 1e3, unit="ms", target=None),
-        Result(f"TTFT, {n}-token prompt, best of {w.ttft_repeats}", min(disaggregated) * 1e3,
-               min(colocated) * 1e3, unit="ms", target=None),
-    ]  # fmt: skip
+        Result(
+            f"TTFT, {n}-token prompt, p90",
+            p90(disaggregated) * 1e3,
+            p90(colocated) * 1e3,
+            unit="ms",
+            target=None,
+        ),
+        Result(
+            f"TTFT, {n}-token prompt, best of {w.ttft_repeats}",
+            min(disaggregated) * 1e3,
+            min(colocated) * 1e3,
+            unit="ms",
+            target=None,
+        ),
+    ]
 
 
 # -- machine --------------------------------------------------------------------------------

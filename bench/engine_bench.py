@@ -46,9 +46,9 @@ import transformers
 from machine import cpu_model, machine_busy_seconds, others_line
 from transformers.generation.streamers import BaseStreamer
 
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.demo_model import write_demo_model
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 
 # Prompt ids are drawn from the tokenizer's own range (the demo tokenizer has ~3.2k tokens
 # in a 32000-row embedding), past <unk>, <s>, </s>, so the detokenizer sees real tokens.

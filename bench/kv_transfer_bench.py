@@ -19,7 +19,7 @@ all of them, and reports medians and the CPU time both processes spent per GB (o
 2-core machine that, more than latency, sets the ceiling). A sweep of message size
 and stream count (shorter runs) shows why the defaults are what they are. Both
 processes call ``keep_freed_memory()`` as the workers should (``--no-keep-freed-memory``
-to see without). crc32 is ``pdserve.kv.checksum``'s (ISA-L), as in the workers.
+to see without). crc32 is ``pdserve.core.kv_chunk``'s (ISA-L), as in the workers.
 
     .venv/bin/python bench/kv_transfer_bench.py [--quick] [--rounds N] [--prompt-tokens N]
 """
@@ -43,8 +43,7 @@ import numpy as np
 from machine import machine_busy_seconds, others_line, process_cpu_seconds
 
 from pdserve.api.v1.kv_transfer_pb2_grpc import add_KVTransferServicer_to_server
-from pdserve.engine.kv_cache import KVLayerChunk
-from pdserve.kv.checksum import crc32
+from pdserve.core.kv_chunk import KVLayerChunk, crc32
 from pdserve.kv.transfer import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_NUM_STREAMS,
@@ -242,11 +241,15 @@ def headline(clock: Clock, ports: dict[str, int], layers, rounds: int, num_promp
         KVPusher(f"127.0.0.1:{ports['zero-copy']}") as pusher,
         KVPusher(f"127.0.0.1:{ports['generated']}") as generated,
     ):
-        raw_runs, grpc_runs, generated_runs = alternating_runs(rounds, clock, [
-            lambda: raw_tcp_send(ports["raw"], layers, num_prompts),
-            lambda: grpc_push(pusher, layers, num_prompts),
-            lambda: grpc_push(generated, layers, num_prompts),
-        ])  # fmt: skip
+        raw_runs, grpc_runs, generated_runs = alternating_runs(
+            rounds,
+            clock,
+            [
+                lambda: raw_tcp_send(ports["raw"], layers, num_prompts),
+                lambda: grpc_push(pusher, layers, num_prompts),
+                lambda: grpc_push(generated, layers, num_prompts),
+            ],
+        )
     raw = Throughput(num_bytes, raw_runs)
     ours = Throughput(num_bytes, grpc_runs)
     protobuf = Throughput(num_bytes, generated_runs)
@@ -254,22 +257,24 @@ def headline(clock: Clock, ports: dict[str, int], layers, rounds: int, num_promp
     per_round = sorted(r.seconds / g.seconds for r, g in zip(raw_runs, grpc_runs, strict=True))
     streams = f"{DEFAULT_NUM_STREAMS} stream{'s' * (DEFAULT_NUM_STREAMS > 1)}"
     defaults = f"{streams}, {DEFAULT_MAX_MESSAGE_BYTES // MiB} MiB messages"
-    return "\n".join([
-        f"{num_bytes / GiB:.2f} GiB per run ({num_prompts} prompts x {NUM_LAYERS} layers x "
-        f"{len(layers[0].data) / MiB:g} MiB), median of {rounds} runs each, in rotation:",
-        "",
-        "| path | GB/s (median) | range | ratio to raw TCP | CPU-s per GB (both processes) |",
-        "| --- | --- | --- | --- | --- |",
-        f"| raw TCP socket | {raw.gb_per_s:.2f} | {raw.spread} | 1.00 | {raw.cpu_per_gb:.2f} |",
-        f"| gRPC PushKV, {defaults} | {ours.gb_per_s:.2f} | {ours.spread} | **{ratio:.2f}** "
-        f"| {ours.cpu_per_gb:.2f} |",
-        f"| same, receiver parsing KVChunk with protobuf (generated registration) "
-        f"| {protobuf.gb_per_s:.2f} | {protobuf.spread} "
-        f"| {protobuf.gb_per_s / raw.gb_per_s:.2f} | {protobuf.cpu_per_gb:.2f} |",
-        "",
-        f"Target >= {TARGET_RATIO:.0%} of raw TCP: {'met' if ratio >= TARGET_RATIO else 'NOT met'}."
-        " Per-round ratios: " + ", ".join(f"{r:.2f}" for r in per_round),
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"{num_bytes / GiB:.2f} GiB per run ({num_prompts} prompts x {NUM_LAYERS} layers x "
+            f"{len(layers[0].data) / MiB:g} MiB), median of {rounds} runs each, in rotation:",
+            "",
+            "| path | GB/s (median) | range | ratio to raw TCP | CPU-s per GB (both processes) |",
+            "| --- | --- | --- | --- | --- |",
+            f"| raw TCP socket | {raw.gb_per_s:.2f} | {raw.spread} | 1.00 | {raw.cpu_per_gb:.2f} |",
+            f"| gRPC PushKV, {defaults} | {ours.gb_per_s:.2f} | {ours.spread} | **{ratio:.2f}** "
+            f"| {ours.cpu_per_gb:.2f} |",
+            f"| same, receiver parsing KVChunk with protobuf (generated registration) "
+            f"| {protobuf.gb_per_s:.2f} | {protobuf.spread} "
+            f"| {protobuf.gb_per_s / raw.gb_per_s:.2f} | {protobuf.cpu_per_gb:.2f} |",
+            "",
+            f"Target >= {TARGET_RATIO:.0%} of raw TCP: {'met' if ratio >= TARGET_RATIO else 'NOT met'}."
+            " Per-round ratios: " + ", ".join(f"{r:.2f}" for r in per_round),
+        ]
+    )
 
 
 def sweep(clock: Clock, port: int, layers, repeats: int, num_prompts: int) -> str:
@@ -303,9 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7, help="timed runs per headline row")
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     parser.add_argument(
-        "--no-keep-freed-memory", dest="keep_memory", action="store_false",
+        "--no-keep-freed-memory",
+        dest="keep_memory",
+        action="store_false",
         help="leave glibc's allocator at its defaults in both processes",
-    )  # fmt: skip
+    )
     args = parser.parse_args(argv)
     prompts, sweep_prompts, rounds = (4, 2, 2) if args.quick else (64, 8, args.rounds)
     if args.keep_memory:

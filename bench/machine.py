@@ -18,8 +18,11 @@ def cpu_model(default: str = "unknown CPU") -> str:
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.is_file():
         return default
-    names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
-             if ln.startswith("model name")]  # fmt: skip
+    names = [
+        ln.split(":", 1)[1].strip()
+        for ln in cpuinfo.read_text().splitlines()
+        if ln.startswith("model name")
+    ]
     return names[0] if names else default
 
 

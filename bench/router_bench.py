@@ -63,10 +63,10 @@ from pdserve.api.v1 import (
     router_pb2_grpc,
 )
 from pdserve.cluster.processes import ChildProcess, spawn, wait_ready
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.demo_model import write_demo_model
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.rpc.wire import sampling_params_to_proto
 from pdserve.state.redis_server import PrivateRedis
-from pdserve.wire import sampling_params_to_proto
 from pdserve.worker.handoff import disaggregated_generate
 
 # Prompt ids from the tiny demo tokenizer's range, past <unk>, <s>, </s>.
@@ -94,10 +94,24 @@ class Workload:
     relay_requests: int  # timed requests in all
 
 
-FULL = Workload(overhead_pairs=80, overhead_new_tokens=4, warmups=8, relay_decode_workers=2,
-                relay_streams=64, relay_new_tokens=256, relay_requests=384)  # fmt: skip
-QUICK = Workload(overhead_pairs=8, overhead_new_tokens=4, warmups=2, relay_decode_workers=1,
-                 relay_streams=8, relay_new_tokens=64, relay_requests=16)  # fmt: skip
+FULL = Workload(
+    overhead_pairs=80,
+    overhead_new_tokens=4,
+    warmups=8,
+    relay_decode_workers=2,
+    relay_streams=64,
+    relay_new_tokens=256,
+    relay_requests=384,
+)
+QUICK = Workload(
+    overhead_pairs=8,
+    overhead_new_tokens=4,
+    warmups=2,
+    relay_decode_workers=1,
+    relay_streams=8,
+    relay_new_tokens=64,
+    relay_requests=16,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,19 +227,55 @@ def started(child: ChildProcess, core: int) -> Iterator[ChildProcess]:
 
 
 def spawn_worker(role: str, model_dir: Path, log_dir: Path, index: int) -> ChildProcess:
-    return spawn(f"{role}-{index}", [
-        "serve", role, "--model", str(model_dir), "--port", "0", "--threads", "1",
-        "--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-num-seqs", str(MAX_NUM_SEQS),
-    ], str(log_dir))  # fmt: skip
+    return spawn(
+        f"{role}-{index}",
+        [
+            "serve",
+            role,
+            "--model",
+            str(model_dir),
+            "--port",
+            "0",
+            "--threads",
+            "1",
+            "--num-kv-blocks",
+            str(NUM_KV_BLOCKS),
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+        ],
+        str(log_dir),
+    )
 
 
-def spawn_router(name: str, model_dir: Path, redis_url: str, prefill: list[str],
-                 decode: list[str], log_dir: Path, profile: Path | None = None,
-                 stream_interval: int = 1):  # fmt: skip
-    args = ["router", "--model", str(model_dir), "--redis-url", redis_url, "--port", "0",
-            "--discovery", "static", "--prefill", ",".join(prefill),
-            "--decode", ",".join(decode), "--max-inflight", "1024",
-            "--stream-interval", str(stream_interval)]  # fmt: skip
+def spawn_router(
+    name: str,
+    model_dir: Path,
+    redis_url: str,
+    prefill: list[str],
+    decode: list[str],
+    log_dir: Path,
+    profile: Path | None = None,
+    stream_interval: int = 1,
+):
+    args = [
+        "router",
+        "--model",
+        str(model_dir),
+        "--redis-url",
+        redis_url,
+        "--port",
+        "0",
+        "--discovery",
+        "static",
+        "--prefill",
+        ",".join(prefill),
+        "--decode",
+        ",".join(decode),
+        "--max-inflight",
+        "1024",
+        "--stream-interval",
+        str(stream_interval),
+    ]
     if profile is None:
         return spawn(name, args, str(log_dir))
     # spawn() runs `python -m pdserve`; the profiled router runs under `-m cProfile`.
@@ -233,9 +283,11 @@ def spawn_router(name: str, model_dir: Path, redis_url: str, prefill: list[str],
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cProfile", "-o", str(profile), "-m", "pdserve", *args],
-            stdout=subprocess.PIPE, stderr=log, text=True,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+        )
     return ChildProcess(name, proc, str(log_path))
 
 
@@ -264,11 +316,13 @@ def cluster(model_dir: Path, num_decode_workers: int, log_dir: Path):
 # -- 1. router overhead ---------------------------------------------------------------------
 
 
-async def router_ttft(router: router_pb2_grpc.RouterStub, prompt: list[int], sampling,
-                      inside: list[float]) -> float:  # fmt: skip
+async def router_ttft(
+    router: router_pb2_grpc.RouterStub, prompt: list[int], sampling, inside: list[float]
+) -> float:
     """The client's TTFT; appends the router's own (its `timings.ttft_ms`) to `inside`."""
-    request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt),
-                                         sampling=sampling, stream=True)  # fmt: skip
+    request = router_pb2.GenerateRequest(
+        token_ids=router_pb2.TokenIds(ids=prompt), sampling=sampling, stream=True
+    )
     start = time.perf_counter()
     first_at, last = None, None
     async for last in router.Generate(request):  # noqa: B007 (the last one is used below)
@@ -309,25 +363,31 @@ async def alternate(repeats: int, warmups: int, a: Timed, b: Timed):
     return a_runs, b_runs
 
 
-async def bench_overhead(router_address: str, router_pid: int, prefill_address: str,
-                         decode_address: str, w: Workload,
-                         rng: random.Random) -> list[Result]:  # fmt: skip
+async def bench_overhead(
+    router_address: str,
+    router_pid: int,
+    prefill_address: str,
+    decode_address: str,
+    w: Workload,
+    rng: random.Random,
+) -> list[Result]:
     sampling = greedy(w.overhead_new_tokens)
     async with (
         grpc.aio.insecure_channel(router_address) as router_channel,
         grpc.aio.insecure_channel(prefill_address) as prefill_channel,
         grpc.aio.insecure_channel(decode_address) as decode_channel,
-    ):  # fmt: skip
+    ):
         router = router_pb2_grpc.RouterStub(router_channel)
         prefill = prefill_pb2_grpc.PrefillStub(prefill_channel)
         decode = decode_pb2_grpc.DecodeStub(decode_channel)
         inside: list[float] = []  # warm-ups included: only its median is reported
         with CpuWindow({"router": router_pid}) as window:
             via_router, direct = await alternate(
-                w.overhead_pairs, w.warmups,
+                w.overhead_pairs,
+                w.warmups,
                 lambda: router_ttft(router, random_prompt(rng), sampling, inside),
                 lambda: direct_ttft(prefill, decode, decode_address, random_prompt(rng), sampling),
-            )  # fmt: skip
+            )
         router_cpu_ms = window.cpu_s["router"] / (w.warmups + w.overhead_pairs) * 1e3
         round_trips = [await unary_round_trip(router) for _ in range(w.overhead_pairs)]
     print("TTFT via router ms: " + ", ".join(f"{s * 1e3:.1f}" for s in via_router))
@@ -341,29 +401,49 @@ async def bench_overhead(router_address: str, router_pid: int, prefill_address: 
     inside_p50 = statistics.median(inside[-len(via_router) :]) * 1e3
     n = w.overhead_pairs
     return [
-        Result(f"router overhead on TTFT, p50 ({n} sequential requests per side, "
-               f"{PROMPT_LEN}-token prompts)", f"{overhead:.2f} ms",
-               f"< {OVERHEAD_TARGET_MS:g} ms", overhead < OVERHEAD_TARGET_MS),
-        Result("TTFT p50: via router / direct to the workers",
-               f"{router_p50:.2f} / {direct_p50:.2f} ms"),
+        Result(
+            f"router overhead on TTFT, p50 ({n} sequential requests per side, "
+            f"{PROMPT_LEN}-token prompts)",
+            f"{overhead:.2f} ms",
+            f"< {OVERHEAD_TARGET_MS:g} ms",
+            overhead < OVERHEAD_TARGET_MS,
+        ),
+        Result(
+            "TTFT p50: via router / direct to the workers",
+            f"{router_p50:.2f} / {direct_p50:.2f} ms",
+        ),
         Result("router overhead on TTFT, median of paired differences", f"{paired:.2f} ms"),
-        Result("router overhead on TTFT, p90 (TTFT p90 via router / direct)",
-               f"{router_p90 - direct_p90:.2f} ms ({router_p90:.2f} / {direct_p90:.2f} ms)"),
-        Result("TTFT p50 inside the router (Generate called -> Prefill returned; its "
-               "`timings.ttft_ms`)", f"{inside_p50:.2f} ms"),
-        Result(f"router CPU per request ({PROMPT_LEN}-token prompt, "
-               f"{w.overhead_new_tokens} tokens; all of its threads)", f"{router_cpu_ms:.2f} ms"),
-        Result("unary round trip client -> router -> client (ModelInfo), p50",
-               f"{statistics.median(round_trips) * 1e3:.2f} ms"),
-    ]  # fmt: skip
+        Result(
+            "router overhead on TTFT, p90 (TTFT p90 via router / direct)",
+            f"{router_p90 - direct_p90:.2f} ms ({router_p90:.2f} / {direct_p90:.2f} ms)",
+        ),
+        Result(
+            "TTFT p50 inside the router (Generate called -> Prefill returned; its "
+            "`timings.ttft_ms`)",
+            f"{inside_p50:.2f} ms",
+        ),
+        Result(
+            f"router CPU per request ({PROMPT_LEN}-token prompt, "
+            f"{w.overhead_new_tokens} tokens; all of its threads)",
+            f"{router_cpu_ms:.2f} ms",
+        ),
+        Result(
+            "unary round trip client -> router -> client (ModelInfo), p50",
+            f"{statistics.median(round_trips) * 1e3:.2f} ms",
+        ),
+    ]
 
 
 # -- 2. relay throughput --------------------------------------------------------------------
 
 
-async def relay_streams(router: router_pb2_grpc.RouterStub, num_streams: int,
-                        num_requests: int, sampling,
-                        rng: random.Random) -> tuple[int, int]:  # fmt: skip
+async def relay_streams(
+    router: router_pb2_grpc.RouterStub,
+    num_streams: int,
+    num_requests: int,
+    sampling,
+    rng: random.Random,
+) -> tuple[int, int]:
     """Run num_requests streaming requests, num_streams at a time; (tokens, messages) received."""
     remaining = num_requests
     received = num_messages = 0
@@ -373,9 +453,10 @@ async def relay_streams(router: router_pb2_grpc.RouterStub, num_streams: int,
         while remaining > 0:
             remaining -= 1
             request = router_pb2.GenerateRequest(
-                token_ids=router_pb2.TokenIds(ids=random_prompt(rng)), sampling=sampling,
+                token_ids=router_pb2.TokenIds(ids=random_prompt(rng)),
+                sampling=sampling,
                 stream=True,
-            )  # fmt: skip
+            )
             async for message in router.Generate(request):
                 received += len(message.token_ids)
                 num_messages += 1
@@ -384,16 +465,21 @@ async def relay_streams(router: router_pb2_grpc.RouterStub, num_streams: int,
     return received, num_messages
 
 
-async def bench_relay(router_address: str, pids: dict[str, int], w: Workload,
-                      rng: random.Random,
-                      cpu_allowance: float = 1.0) -> tuple[list[Result], CpuWindow]:  # fmt: skip
+async def bench_relay(
+    router_address: str,
+    pids: dict[str, int],
+    w: Workload,
+    rng: random.Random,
+    cpu_allowance: float = 1.0,
+) -> tuple[list[Result], CpuWindow]:
     sampling = greedy(w.relay_new_tokens)
     async with grpc.aio.insecure_channel(router_address) as channel:
         router = router_pb2_grpc.RouterStub(channel)
         await relay_streams(router, w.relay_streams, w.relay_streams, sampling, rng)  # warm-up
         with CpuWindow(pids) as window:
-            tokens, num_messages = await relay_streams(router, w.relay_streams, w.relay_requests,
-                                                       sampling, rng)  # fmt: skip
+            tokens, num_messages = await relay_streams(
+                router, w.relay_streams, w.relay_requests, sampling, rng
+            )
     expected = w.relay_requests * w.relay_new_tokens
     if tokens != expected:
         raise RuntimeError(f"relayed {tokens} tokens, expected {expected}")
@@ -402,22 +488,25 @@ async def bench_relay(router_address: str, pids: dict[str, int], w: Workload,
     share = router_cpu / window.wall_s
     saturated = "saturated" if share >= SATURATED_SHARE * cpu_allowance else "not saturated"
     allowance = "one core" if cpu_allowance == 1.0 else f"one core, capped at {cpu_allowance:.0%}"
-    breakdown = ", ".join(f"{name} {cpu / tokens * 1e6:.0f}"
-                          for name, cpu in window.cpu_s.items())  # fmt: skip
+    breakdown = ", ".join(f"{name} {cpu / tokens * 1e6:.0f}" for name, cpu in window.cpu_s.items())
     return [
-        Result(f"relay: tokens per router CPU-second ({w.relay_streams} concurrent streams of "
-               f"{w.relay_new_tokens} tokens, {w.relay_decode_workers} decode workers)",
-               f"{per_cpu_s:,.0f} tokens/s", f">= {RELAY_TARGET_TOKENS_PER_CPU_S:,}",
-               per_cpu_s >= RELAY_TARGET_TOKENS_PER_CPU_S),
+        Result(
+            f"relay: tokens per router CPU-second ({w.relay_streams} concurrent streams of "
+            f"{w.relay_new_tokens} tokens, {w.relay_decode_workers} decode workers)",
+            f"{per_cpu_s:,.0f} tokens/s",
+            f">= {RELAY_TARGET_TOKENS_PER_CPU_S:,}",
+            per_cpu_s >= RELAY_TARGET_TOKENS_PER_CPU_S,
+        ),
         Result("relay: router CPU per token", f"{router_cpu / tokens * 1e6:.1f} µs"),
-        Result("relay: wall tokens/s (whole cluster on 2 cores)",
-               f"{tokens / window.wall_s:,.0f} tokens/s ({tokens:,} tokens in "
-               f"{window.wall_s:.1f} s)"),
+        Result(
+            "relay: wall tokens/s (whole cluster on 2 cores)",
+            f"{tokens / window.wall_s:,.0f} tokens/s ({tokens:,} tokens in {window.wall_s:.1f} s)",
+        ),
         Result("relay: router core use", f"{share:.0%} of one core ({allowance}: {saturated})"),
         # several per message when the router or its client falls behind (coalesced)
         Result("relay: tokens per message to the client", f"{tokens / num_messages:.2f}"),
         Result("relay: CPU µs per token, by process", breakdown),
-    ], window  # fmt: skip
+    ], window
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -427,8 +516,10 @@ def machine_line() -> str:
     pinned = "no pinning (one core)"
     if (os.cpu_count() or 1) >= 2:
         pinned = f"router pinned to core {ROUTER_CORE}, the rest to core {OTHERS_CORE}"
-    return (f"{os.cpu_count()} cores, {cpu_model()}; Python {sys.version.split()[0]}, "
-            f"grpcio {grpc.__version__}; {pinned}")  # fmt: skip
+    return (
+        f"{os.cpu_count()} cores, {cpu_model()}; Python {sys.version.split()[0]}, "
+        f"grpcio {grpc.__version__}; {pinned}"
+    )
 
 
 def loadavg() -> str:
@@ -480,21 +571,38 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at start: {loadavg()}")
     with (
         tempfile.TemporaryDirectory(prefix="pdserve-router-bench-") as tmp,
-        cluster(args.model_dir or Path(tmp) / "demo-tiny", w.relay_decode_workers,
-                Path(tmp)) as (model_dir, redis_server, redis_pid, prefill, decodes),
-    ):  # fmt: skip
+        cluster(args.model_dir or Path(tmp) / "demo-tiny", w.relay_decode_workers, Path(tmp)) as (
+            model_dir,
+            redis_server,
+            redis_pid,
+            prefill,
+            decodes,
+        ),
+    ):
 
         def router(name: str, decode_addresses: list[str], profile: Path | None = None):
-            child = spawn_router(name, model_dir, redis_server.url, [prefill.address],
-                                 decode_addresses, Path(tmp), profile,
-                                 args.stream_interval)  # fmt: skip
+            child = spawn_router(
+                name,
+                model_dir,
+                redis_server.url,
+                [prefill.address],
+                decode_addresses,
+                Path(tmp),
+                profile,
+                args.stream_interval,
+            )
             return started(child, ROUTER_CORE)
 
         results: list[Result] = []
         if args.profile is None:
             with router("router-overhead", [decodes[0].address]) as r:
-                pids = {"router": r.proc.pid, "prefill": prefill.proc.pid, "redis": redis_pid,
-                        "client": os.getpid(), "decode-0": decodes[0].proc.pid}  # fmt: skip
+                pids = {
+                    "router": r.proc.pid,
+                    "prefill": prefill.proc.pid,
+                    "redis": redis_pid,
+                    "client": os.getpid(),
+                    "decode-0": decodes[0].proc.pid,
+                }
                 with CpuWindow(pids) as window:
                     results += asyncio.run(
                         bench_overhead(
@@ -507,9 +615,13 @@ def main(argv: list[str] | None = None) -> int:
         with (
             router("router-relay", [d.address for d in decodes], args.profile) as r,
             cpu_quota(r.proc.pid, share) if share else nullcontext(),
-        ):  # fmt: skip
-            pids = {"router": r.proc.pid, "prefill": prefill.proc.pid, "redis": redis_pid,
-                    "client": os.getpid()}  # fmt: skip
+        ):
+            pids = {
+                "router": r.proc.pid,
+                "prefill": prefill.proc.pid,
+                "redis": redis_pid,
+                "client": os.getpid(),
+            }
             pids.update({f"decode-{i}": d.proc.pid for i, d in enumerate(decodes)})
             relay, window = asyncio.run(bench_relay(r.address, pids, w, rng, share or 1.0))
             results += relay

@@ -26,21 +26,46 @@ def redis_client(redis_url):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 ARCHITECTURES = {
     # name: (transformers classes, config overrides)
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {
-        "num_key_value_heads": 2,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
-    }),
-    "llama_mha_headdim": ("LlamaConfig", "LlamaForCausalLM", {
-        "num_key_value_heads": 4, "head_dim": 24,
-    }),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {
-        "num_key_value_heads": 1, "tie_word_embeddings": True,
-    }),
-    "mistral": ("MistralConfig", "MistralForCausalLM", {
-        "num_key_value_heads": 2, "sliding_window": 4096, "head_dim": 16,
-    }),
-}  # fmt: skip
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "num_key_value_heads": 2,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+        },
+    ),
+    "llama_mha_headdim": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "num_key_value_heads": 4,
+            "head_dim": 24,
+        },
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {
+            "num_key_value_heads": 1,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        {
+            "num_key_value_heads": 2,
+            "sliding_window": 4096,
+            "head_dim": 16,
+        },
+    ),
+}
 
 
 @pytest.fixture(scope="session")

@@ -50,8 +50,9 @@ def worker_process(role: str, model_dir, *args: str, log_dir=None):
     cmd = ["serve", role, "--model", str(model_dir), "--port", "0", "--threads", "1", *args]
     with pdserve_process(cmd, log_dir) as child:
         fields = child.fields
-        yield WorkerProcess(role, fields["address"], int(fields["blocks"]), child.proc,
-                            child.log_path)  # fmt: skip
+        yield WorkerProcess(
+            role, fields["address"], int(fields["blocks"]), child.proc, child.log_path
+        )
 
 
 @contextmanager

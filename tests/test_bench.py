@@ -35,8 +35,15 @@ def bench_args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["bench", *argv])
 
 
-def finished(index: int, ttft: float, gap: float, tokens: int, sent_at: float = 0.0,
-             warmup: bool = False, kind: str = "k") -> RequestResult:  # fmt: skip
+def finished(
+    index: int,
+    ttft: float,
+    gap: float,
+    tokens: int,
+    sent_at: float = 0.0,
+    warmup: bool = False,
+    kind: str = "k",
+) -> RequestResult:
     """A finished request: first token at `ttft` s, then one token every `gap` s."""
     times = [ttft + gap * i for i in range(tokens)]
     return RequestResult(index, kind, warmup, 8, tokens, sent_at, times)
@@ -74,7 +81,10 @@ def test_rates_of_a_sweep_share_kinds_lengths_and_arrival_pattern_but_not_prompt
     assert len(fast) > len(slow)
     for s, f in zip(slow, fast, strict=False):
         assert (s.kind, len(s.prompt_token_ids), s.max_tokens) == (
-            f.kind, len(f.prompt_token_ids), f.max_tokens)  # fmt: skip
+            f.kind,
+            len(f.prompt_token_ids),
+            f.max_tokens,
+        )
         assert f.send_at == pytest.approx(s.send_at / 4)
     # fresh prompt ids at each rate: no run's prefills hit a prefix cache the last one filled
     first_blocks = {tuple(p.prompt_token_ids[:16]) for p in slow}
@@ -185,11 +195,29 @@ def test_a_tiny_sweep_writes_results_that_add_up(demo_model_dir, tmp_path, monke
     monkeypatch.delenv("REDIS_URL", raising=False)  # the cluster's own private Redis
     out = tmp_path / "out"
     args = bench_args(
-        "--compare", "colocated:1", "--model", str(demo_model_dir),
-        "--prompt-len", "uniform:4:24", "--output-len", "fixed:6",
-        "--rates", "4,8", "--duration", "1.5", "--warmup", "2", "--drain", "20",
-        "--ttft-slo-ms", "500", "--tpot-slo-ms", "100", "--out", str(out),
-    )  # fmt: skip
+        "--compare",
+        "colocated:1",
+        "--model",
+        str(demo_model_dir),
+        "--prompt-len",
+        "uniform:4:24",
+        "--output-len",
+        "fixed:6",
+        "--rates",
+        "4,8",
+        "--duration",
+        "1.5",
+        "--warmup",
+        "2",
+        "--drain",
+        "20",
+        "--ttft-slo-ms",
+        "500",
+        "--tpot-slo-ms",
+        "100",
+        "--out",
+        str(out),
+    )
     assert args.run(args) == 0
 
     data = json.loads((out / "custom.json").read_text())

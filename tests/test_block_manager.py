@@ -7,10 +7,11 @@ import struct
 
 import pytest
 
+from pdserve.core.block_hash import hash_block_tokens
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine import block_manager as block_manager_module
-from pdserve.engine.block_manager import BlockAccountingError, BlockManager, hash_block_tokens
+from pdserve.engine.block_manager import BlockAccountingError, BlockManager
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 

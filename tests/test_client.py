@@ -15,8 +15,8 @@ from procs import router_process, worker_process
 from pdserve.cli import build_parser
 from pdserve.client import AsyncClient, Client, Completion, PdserveError
 from pdserve.commands import generate, status
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 GREEDY_FLAGS = ("--temperature", "0", "--max-tokens", str(GREEDY.max_tokens), "--ignore-eos")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from pdserve.engine.config import ModelConfig
+from pdserve.core.model_config import ModelConfig
 from pdserve.engine.loader import load_model
 from pdserve.engine.models.cpu_linear import PrepackedLinear, can_prepack, prepack_linears
 
@@ -26,9 +26,13 @@ def test_matches_nn_linear(rows, bias):
 
 
 def test_prepack_replaces_every_linear_and_keeps_the_embedding_dense():
-    model = nn.ModuleDict({"embed": nn.Embedding(10, 8),
-                           "block": nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)),
-                           "head": nn.Linear(8, 10, bias=False)})  # fmt: skip
+    model = nn.ModuleDict(
+        {
+            "embed": nn.Embedding(10, 8),
+            "block": nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)),
+            "head": nn.Linear(8, 10, bias=False),
+        }
+    )
     model["head"].weight = model["embed"].weight  # tied, as in Qwen2
     prepack_linears(model)
     assert not any(isinstance(m, nn.Linear) for m in model.modules())

@@ -17,9 +17,9 @@ from pdserve.api.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.wire import sampling_params_to_proto
+from pdserve.rpc.wire import sampling_params_to_proto
 from pdserve.worker.handoff import disaggregated_generate
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -53,9 +53,13 @@ async def run(prefill, decode, prompt, params, request_id=""):
     async with prefill.channel() as pch, decode.channel() as dch:
         tokens, last = [], None
         async for delta in disaggregated_generate(
-            prefill_pb2_grpc.PrefillStub(pch), decode_pb2_grpc.DecodeStub(dch), decode.address,
-            prompt, sampling_params_to_proto(params), request_id,
-        ):  # fmt: skip
+            prefill_pb2_grpc.PrefillStub(pch),
+            decode_pb2_grpc.DecodeStub(dch),
+            decode.address,
+            prompt,
+            sampling_params_to_proto(params),
+            request_id,
+        ):
             tokens += delta.token_ids
             last = delta
     return tokens, last
@@ -82,9 +86,12 @@ async def test_32_concurrent_requests_over_two_decode_workers(cluster, reference
     batch = prompts([rng.randrange(1, 300) for _ in range(32)], seed=3)
     params = [GREEDY if i % 2 else SEEDED for i in range(32)]
     expected = reference_engine.generate(batch, params)
-    results = await asyncio.gather(*(
-        run(prefill, decodes[i % 2], prompt, params[i], f"c{i}") for i, prompt in enumerate(batch)
-    ))  # fmt: skip
+    results = await asyncio.gather(
+        *(
+            run(prefill, decodes[i % 2], prompt, params[i], f"c{i}")
+            for i, prompt in enumerate(batch)
+        )
+    )
     assert [tokens for tokens, _ in results] == [e.token_ids for e in expected]
     for worker in decodes:
         load = worker.wait_idle()
@@ -110,11 +117,15 @@ async def test_admission_without_room_is_resource_exhausted_with_retry_info(clus
     params = sampling_params_to_proto(SamplingParams(max_tokens=4))
     async with decode.channel() as ch:
         stub = decode_pb2_grpc.DecodeStub(ch)
-        held = await stub.Admit(decode_pb2.AdmitRequest(
-            prompt_token_ids=prompts([3990], seed=5)[0], sampling=params))  # fmt: skip
+        held = await stub.Admit(
+            decode_pb2.AdmitRequest(prompt_token_ids=prompts([3990], seed=5)[0], sampling=params)
+        )
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Admit(decode_pb2.AdmitRequest(
-                prompt_token_ids=prompts([3200], seed=6)[0], sampling=params))  # fmt: skip
+            await stub.Admit(
+                decode_pb2.AdmitRequest(
+                    prompt_token_ids=prompts([3200], seed=6)[0], sampling=params
+                )
+            )
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         status = rpc_status.from_call(err.value)
         retry = error_details_pb2.RetryInfo()
@@ -134,8 +145,9 @@ async def test_admissions_abandoned_mid_call_leave_no_block_reserved(cluster):
         for i, prompt in enumerate(prompts([300] * 60, seed=9)):
             # Leases that were issued all the same expire quickly; reservations that the
             # caller abandoned before their lease existed must be freed by the worker.
-            request = decode_pb2.AdmitRequest(prompt_token_ids=prompt, sampling=params,
-                                              lease_ttl_ms=200)  # fmt: skip
+            request = decode_pb2.AdmitRequest(
+                prompt_token_ids=prompt, sampling=params, lease_ttl_ms=200
+            )
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await stub.Admit(request, timeout=0.0005 * (i % 10 + 1))
     load = decode.wait_idle()
@@ -150,9 +162,11 @@ async def test_colocated_generate_on_a_both_worker(demo_model_dir, reference_eng
             stub = decode_pb2_grpc.DecodeStub(ch)
             for prompt, want in zip(batch, expected, strict=True):
                 tokens = []
-                async for delta in stub.Generate(decode_pb2.LocalGenerateRequest(
-                    prompt_token_ids=prompt, sampling=sampling_params_to_proto(GREEDY)
-                )):  # fmt: skip
+                async for delta in stub.Generate(
+                    decode_pb2.LocalGenerateRequest(
+                        prompt_token_ids=prompt, sampling=sampling_params_to_proto(GREEDY)
+                    )
+                ):
                     tokens += delta.token_ids
                 assert tokens == want.token_ids
         # A both worker is a prefill and a decode worker at once, for the same request id.
@@ -176,10 +190,13 @@ def test_prefill_request_without_target_is_invalid(cluster):
 def admit(decode, prompt, params=GREEDY, ttl_ms=0) -> decode_pb2.Lease:
     with grpc.insecure_channel(decode.address) as ch:
         return decode_pb2_grpc.DecodeStub(ch).Admit(
-            decode_pb2.AdmitRequest(prompt_token_ids=prompt, lease_ttl_ms=ttl_ms,
-                                    sampling=sampling_params_to_proto(params)),
+            decode_pb2.AdmitRequest(
+                prompt_token_ids=prompt,
+                lease_ttl_ms=ttl_ms,
+                sampling=sampling_params_to_proto(params),
+            ),
             timeout=10,
-        )  # fmt: skip
+        )
 
 
 def release(decode, lease_id) -> bool:
@@ -191,7 +208,7 @@ def release(decode, lease_id) -> bool:
 def layer_chunk(lease: decode_pb2.Lease, layer: int, num_blocks: int | None = None):
     import zlib
 
-    from pdserve.engine.kv_cache import KVLayerChunk
+    from pdserve.core.kv_chunk import KVLayerChunk
 
     layout = lease.layout
     n = lease.num_blocks if num_blocks is None else num_blocks
@@ -228,8 +245,9 @@ def test_corrupt_misplaced_and_unknown_chunks_are_rejected(cluster):
     good = layer_chunk(lease, 0)
     corrupt = dataclasses.replace(good, checksum=good.checksum ^ 1)
     expect_push_error(decode, lease.lease_id, [(0, corrupt)], grpc.StatusCode.DATA_LOSS)
-    expect_push_error(decode, lease.lease_id, [(0, layer_chunk(lease, 99))],
-                      grpc.StatusCode.INVALID_ARGUMENT)  # fmt: skip
+    expect_push_error(
+        decode, lease.lease_id, [(0, layer_chunk(lease, 99))], grpc.StatusCode.INVALID_ARGUMENT
+    )
     expect_push_error(
         decode,
         lease.lease_id,
@@ -258,8 +276,9 @@ def test_a_lease_whose_kv_never_arrives_expires_and_frees_its_blocks(cluster):
     lease = admit(decode, prompts([100], seed=8)[0], ttl_ms=200)
     assert decode.load().free_blocks < decode.total_blocks
     assert_idle(decode)
-    expect_push_error(decode, lease.lease_id, [(0, layer_chunk(lease, 0))],
-                      grpc.StatusCode.NOT_FOUND)  # fmt: skip
+    expect_push_error(
+        decode, lease.lease_id, [(0, layer_chunk(lease, 0))], grpc.StatusCode.NOT_FOUND
+    )
 
 
 async def test_a_renewed_lease_outlives_its_ttl_and_expires_once_renewals_stop(cluster):
@@ -277,8 +296,9 @@ async def test_a_renewed_lease_outlives_its_ttl_and_expires_once_renewals_stop(c
         assert renewed.ttl_ms == 300 and renewed.deadline_unix_ms > lease.deadline_unix_ms
         keeper.cancel()
     assert_idle(decode)  # with nobody renewing, it expires and frees its blocks
-    expect_push_error(decode, lease.lease_id, [(0, layer_chunk(lease, 0))],
-                      grpc.StatusCode.NOT_FOUND)  # fmt: skip
+    expect_push_error(
+        decode, lease.lease_id, [(0, layer_chunk(lease, 0))], grpc.StatusCode.NOT_FOUND
+    )
 
 
 async def test_cancelled_decode_stream_frees_blocks_at_once(cluster):
@@ -286,9 +306,12 @@ async def test_cancelled_decode_stream_frees_blocks_at_once(cluster):
     long = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
     async with prefill.channel() as pch, decode.channel() as dch:
         stream = disaggregated_generate(
-            prefill_pb2_grpc.PrefillStub(pch), decode_pb2_grpc.DecodeStub(dch), decode.address,
-            prompts([50], seed=9)[0], sampling_params_to_proto(long),
-        )  # fmt: skip
+            prefill_pb2_grpc.PrefillStub(pch),
+            decode_pb2_grpc.DecodeStub(dch),
+            decode.address,
+            prompts([50], seed=9)[0],
+            sampling_params_to_proto(long),
+        )
         received = 0
         async for delta in stream:
             received += len(delta.token_ids)
@@ -304,10 +327,13 @@ async def test_cancelled_prefill_releases_the_lease_on_both_sides(cluster):
     prompt = prompts([3000], seed=10)[0]
     lease = admit(decode, prompt)
     async with prefill.channel() as ch:
-        call = prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
-            prompt_token_ids=prompt, sampling=sampling_params_to_proto(GREEDY),
-            target=prefill_pb2.KVTarget(address=decode.address, lease_id=lease.lease_id),
-        ))  # fmt: skip
+        call = prefill_pb2_grpc.PrefillStub(ch).Prefill(
+            prefill_pb2.PrefillRequest(
+                prompt_token_ids=prompt,
+                sampling=sampling_params_to_proto(GREEDY),
+                target=prefill_pb2.KVTarget(address=decode.address, lease_id=lease.lease_id),
+            )
+        )
         await asyncio.sleep(0.05)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -324,10 +350,14 @@ def test_model_mismatch_is_refused_at_handshake(demo_model_dir, cluster, tmp_pat
     with worker_process("decode", other_model, log_dir=tmp_path) as other:
         lease = admit(other, [5, 6, 7])
         with grpc.insecure_channel(prefill.address) as ch, pytest.raises(grpc.RpcError) as err:
-            prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
-                prompt_token_ids=[5, 6, 7], sampling=sampling_params_to_proto(GREEDY),
-                target=prefill_pb2.KVTarget(address=other.address, lease_id=lease.lease_id),
-            ), timeout=20)  # fmt: skip
+            prefill_pb2_grpc.PrefillStub(ch).Prefill(
+                prefill_pb2.PrefillRequest(
+                    prompt_token_ids=[5, 6, 7],
+                    sampling=sampling_params_to_proto(GREEDY),
+                    target=prefill_pb2.KVTarget(address=other.address, lease_id=lease.lease_id),
+                ),
+                timeout=20,
+            )
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "model_fingerprint" in err.value.details()
         assert not release(other, lease.lease_id)  # the prefill worker gave it back already

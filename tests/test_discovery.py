@@ -19,6 +19,7 @@ import pytest
 from kubernetes import client as k8s
 
 from pdserve.api.v1 import decode_pb2, prefill_pb2_grpc
+from pdserve.core.workers import WorkerInfo
 from pdserve.router.discovery import (
     SERVICE_NAME_LABEL,
     GrpcLoadProbe,
@@ -27,7 +28,7 @@ from pdserve.router.discovery import (
     StaticDiscovery,
 )
 from pdserve.state.redis_server import PrivateRedis
-from pdserve.state.registry import WorkerInfo, WorkerRegistry
+from pdserve.state.registry import WorkerRegistry
 
 WAIT_S = 3.0
 
@@ -188,8 +189,9 @@ async def test_mark_unhealthy_holds_until_a_poll_started_after_it_succeeds():
 
 class PrefillLoad(prefill_pb2_grpc.PrefillServicer):
     async def GetLoad(self, request, context):
-        return decode_pb2.WorkerLoad(role="prefill", free_blocks=5, total_blocks=9, running=1,
-                                     waiting=2, open_leases=0)  # fmt: skip
+        return decode_pb2.WorkerLoad(
+            role="prefill", free_blocks=5, total_blocks=9, running=1, waiting=2, open_leases=0
+        )
 
 
 async def test_grpc_probe_asks_the_role_s_service():
@@ -229,8 +231,9 @@ class FakeEndpointSlices:
         self.num_lists: dict[str, int] = {}
         self.closed = False
 
-    def put(self, name: str, service: str, endpoints: list[tuple[str, bool]], *,
-            record: bool = True) -> None:  # fmt: skip
+    def put(
+        self, name: str, service: str, endpoints: list[tuple[str, bool]], *, record: bool = True
+    ) -> None:
         """Create or replace a slice: (ip, ready) per endpoint, the port named "grpc"."""
         with self.changed:
             self.resource_version += 1
@@ -238,15 +241,21 @@ class FakeEndpointSlices:
             self.slices[name] = {
                 "apiVersion": "discovery.k8s.io/v1",
                 "kind": "EndpointSlice",
-                "metadata": {"name": name, "namespace": NAMESPACE,
-                             "resourceVersion": str(self.resource_version),
-                             "labels": {SERVICE_NAME_LABEL: service}},
+                "metadata": {
+                    "name": name,
+                    "namespace": NAMESPACE,
+                    "resourceVersion": str(self.resource_version),
+                    "labels": {SERVICE_NAME_LABEL: service},
+                },
                 "addressType": "IPv4",
-                "endpoints": [{"addresses": [ip], "conditions": {"ready": ready}}
-                              for ip, ready in endpoints],
-                "ports": [{"name": "metrics", "port": 9090, "protocol": "TCP"},
-                          {"name": "grpc", "port": GRPC_PORT, "protocol": "TCP"}],
-            }  # fmt: skip
+                "endpoints": [
+                    {"addresses": [ip], "conditions": {"ready": ready}} for ip, ready in endpoints
+                ],
+                "ports": [
+                    {"name": "metrics", "port": 9090, "protocol": "TCP"},
+                    {"name": "grpc", "port": GRPC_PORT, "protocol": "TCP"},
+                ],
+            }
             if record:
                 self._record(event_type, self.slices[name])
 
@@ -270,8 +279,9 @@ class FakeEndpointSlices:
             self.changed.notify_all()
 
     def _record(self, event_type: str, obj: dict) -> None:
-        self.events.append((self.resource_version, {"type": event_type, "object": json.loads(
-            json.dumps(obj))}))  # fmt: skip
+        self.events.append(
+            (self.resource_version, {"type": event_type, "object": json.loads(json.dumps(obj))})
+        )
         self.changed.notify_all()
 
     def list(self, service: str) -> dict:
@@ -286,8 +296,17 @@ class FakeEndpointSlices:
 
     def watch(self, service: str, since: int, deadline: float):
         """Yield watch events for the service after version `since`, until the deadline."""
-        gone = {"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "status":
-                "Failure", "reason": "Expired", "code": 410, "message": "too old"}}  # fmt: skip
+        gone = {
+            "type": "ERROR",
+            "object": {
+                "kind": "Status",
+                "apiVersion": "v1",
+                "status": "Failure",
+                "reason": "Expired",
+                "code": 410,
+                "message": "too old",
+            },
+        }
         while True:
             with self.changed:
                 self.changed.wait_for(
@@ -384,8 +403,14 @@ async def test_kubernetes_discovery_follows_ready_endpoints(fake_api):
     store.put("prefill-a", "pd-prefill", [("10.0.0.1", True), ("10.0.0.2", False)])
     store.put("decode-a", "pd-decode", [("10.0.1.1", True)])
     store.put("other-a", "other", [("10.0.9.9", True)])
-    discovery = KubernetesDiscovery(NAMESPACE, "pd-prefill", "pd-decode", api_client=api_client,
-                                    poll_interval_s=60, load_fn=answering_load_fn)  # fmt: skip
+    discovery = KubernetesDiscovery(
+        NAMESPACE,
+        "pd-prefill",
+        "pd-decode",
+        api_client=api_client,
+        poll_interval_s=60,
+        load_fn=answering_load_fn,
+    )
     await discovery.start()  # listed and polled before it returns
     try:
         assert addresses(discovery.workers("prefill")) == [grpc_address("10.0.0.1")]
@@ -393,19 +418,25 @@ async def test_kubernetes_discovery_follows_ready_endpoints(fake_api):
 
         # MODIFIED: the not-ready endpoint turns ready (picked up without waiting a poll)
         store.put("prefill-a", "pd-prefill", [("10.0.0.1", True), ("10.0.0.2", True)])
-        await wait_until(lambda: addresses(discovery.workers("prefill")) == [
-            grpc_address("10.0.0.1"), grpc_address("10.0.0.2")])  # fmt: skip
+        await wait_until(
+            lambda: (
+                addresses(discovery.workers("prefill"))
+                == [grpc_address("10.0.0.1"), grpc_address("10.0.0.2")]
+            )
+        )
         # ADDED: a second slice of the same service
         store.put("decode-b", "pd-decode", [("10.0.1.2", True)])
         await wait_until(lambda: len(discovery.workers("decode")) == 2)
         # DELETED
         store.delete("decode-a")
-        await wait_until(lambda: addresses(discovery.workers("decode")) == [
-            grpc_address("10.0.1.2")])  # fmt: skip
+        await wait_until(
+            lambda: addresses(discovery.workers("decode")) == [grpc_address("10.0.1.2")]
+        )
         # MODIFIED to not ready: excluded
         store.put("prefill-a", "pd-prefill", [("10.0.0.1", False), ("10.0.0.2", True)])
-        await wait_until(lambda: addresses(discovery.workers("prefill")) == [
-            grpc_address("10.0.0.2")])  # fmt: skip
+        await wait_until(
+            lambda: addresses(discovery.workers("prefill")) == [grpc_address("10.0.0.2")]
+        )
         assert store.num_lists == {"pd-prefill": 1, "pd-decode": 1}  # watched, not re-listed
     finally:
         stopping = time.monotonic()
@@ -416,16 +447,23 @@ async def test_kubernetes_discovery_follows_ready_endpoints(fake_api):
 async def test_kubernetes_discovery_lists_again_after_410_gone(fake_api):
     store, api_client = fake_api
     store.put("decode-a", "pd-decode", [("10.0.1.1", True)])
-    discovery = KubernetesDiscovery(NAMESPACE, "pd-prefill", "pd-decode", api_client=api_client,
-                                    poll_interval_s=60, load_fn=answering_load_fn)  # fmt: skip
+    discovery = KubernetesDiscovery(
+        NAMESPACE,
+        "pd-prefill",
+        "pd-decode",
+        api_client=api_client,
+        poll_interval_s=60,
+        load_fn=answering_load_fn,
+    )
     await discovery.start()
     try:
         assert addresses(discovery.workers("decode")) == [grpc_address("10.0.1.1")]
         # a change whose event was compacted away: only a fresh list can reveal it
         store.put("decode-a", "pd-decode", [("10.0.1.7", True)], record=False)
         store.compact()
-        await wait_until(lambda: addresses(discovery.workers("decode")) == [
-            grpc_address("10.0.1.7")])  # fmt: skip
+        await wait_until(
+            lambda: addresses(discovery.workers("decode")) == [grpc_address("10.0.1.7")]
+        )
         assert store.num_lists["pd-decode"] == 2
     finally:
         await discovery.stop()
@@ -440,8 +478,9 @@ async def test_kubernetes_discovery_one_service_for_both_roles_and_unreachable_p
             return None
         return await answering_load_fn(address, role)
 
-    discovery = KubernetesDiscovery(NAMESPACE, "pd", "pd", api_client=api_client,
-                                    poll_interval_s=60, load_fn=load_fn)  # fmt: skip
+    discovery = KubernetesDiscovery(
+        NAMESPACE, "pd", "pd", api_client=api_client, poll_interval_s=60, load_fn=load_fn
+    )
     await discovery.start()
     try:
         assert addresses(discovery.workers("prefill")) == [grpc_address("10.0.2.1")]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.core.workers import WorkerInfo
 from pdserve.router.dispatches import RecentDispatches
 from pdserve.router.policy import MostFreeDecode
-from pdserve.state.registry import WorkerInfo
 
 
 class Clock:
@@ -18,8 +18,14 @@ class Clock:
 
 
 def decode(address: str, free_blocks: int = 100, updated_at: float = 999.0) -> WorkerInfo:
-    return WorkerInfo(worker_id=address, role="decode", address=address,
-                      free_blocks=free_blocks, total_blocks=100, updated_at=updated_at)  # fmt: skip
+    return WorkerInfo(
+        worker_id=address,
+        role="decode",
+        address=address,
+        free_blocks=free_blocks,
+        total_blocks=100,
+        updated_at=updated_at,
+    )
 
 
 def test_a_burst_alternates_between_equal_workers_instead_of_piling_on_one():

@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.errors import InvalidRequestError, UnknownRequestError
+from pdserve.core.errors import InvalidRequestError, UnknownRequestError
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 
 PROMPT = "The quick brown fox"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -97,30 +97,51 @@ INVALID_REQUESTS = {
     # name: (prompt, params, the field the error names)
     "empty text prompt": ("", SamplingParams(), "prompt"),
     "empty token list": ([], SamplingParams(), "prompt_token_ids"),
-    "token id past the vocabulary": ([5, 6, TINY_VOCAB_SIZE], SamplingParams(),
-                                     "prompt_token_ids[2]"),
+    "token id past the vocabulary": (
+        [5, 6, TINY_VOCAB_SIZE],
+        SamplingParams(),
+        "prompt_token_ids[2]",
+    ),
     "negative token id": ([5, -1], SamplingParams(), "prompt_token_ids[1]"),
     "prompt fills the context": ([5] * MAX_MODEL_LEN, SamplingParams(max_tokens=1), "prompt"),
     "max_tokens 0": (PROMPT, SamplingParams(max_tokens=0), "sampling_params.max_tokens"),
-    "max_tokens past the context": ([5] * 10, SamplingParams(max_tokens=MAX_MODEL_LEN - 9),
-                                    "sampling_params.max_tokens"),
-    "negative temperature": (PROMPT, SamplingParams(temperature=-0.5),
-                             "sampling_params.temperature"),
-    "NaN temperature": (PROMPT, SamplingParams(temperature=math.nan),
-                        "sampling_params.temperature"),
+    "max_tokens past the context": (
+        [5] * 10,
+        SamplingParams(max_tokens=MAX_MODEL_LEN - 9),
+        "sampling_params.max_tokens",
+    ),
+    "negative temperature": (
+        PROMPT,
+        SamplingParams(temperature=-0.5),
+        "sampling_params.temperature",
+    ),
+    "NaN temperature": (
+        PROMPT,
+        SamplingParams(temperature=math.nan),
+        "sampling_params.temperature",
+    ),
     "top_p 0": (PROMPT, SamplingParams(top_p=0.0), "sampling_params.top_p"),
     "top_p 1.5": (PROMPT, SamplingParams(top_p=1.5), "sampling_params.top_p"),
     "top_k -1": (PROMPT, SamplingParams(top_k=-1), "sampling_params.top_k"),
     "min_p 2": (PROMPT, SamplingParams(min_p=2.0), "sampling_params.min_p"),
     "logprobs 21": (PROMPT, SamplingParams(logprobs=21), "sampling_params.logprobs"),
-    "stop token id past the vocabulary": (PROMPT, SamplingParams(stop_token_ids=[TINY_VOCAB_SIZE]),
-                                          "sampling_params.stop_token_ids[0]"),
-    "negative stop token id": (PROMPT, SamplingParams(stop_token_ids=[7, -1]),
-                               "sampling_params.stop_token_ids[1]"),
+    "stop token id past the vocabulary": (
+        PROMPT,
+        SamplingParams(stop_token_ids=[TINY_VOCAB_SIZE]),
+        "sampling_params.stop_token_ids[0]",
+    ),
+    "negative stop token id": (
+        PROMPT,
+        SamplingParams(stop_token_ids=[7, -1]),
+        "sampling_params.stop_token_ids[1]",
+    ),
     "empty stop string": (PROMPT, SamplingParams(stop=["ok", ""]), "sampling_params.stop[1]"),
-    "min_tokens over max_tokens": (PROMPT, SamplingParams(min_tokens=5, max_tokens=4),
-                                   "sampling_params.min_tokens"),
-}  # fmt: skip
+    "min_tokens over max_tokens": (
+        PROMPT,
+        SamplingParams(min_tokens=5, max_tokens=4),
+        "sampling_params.min_tokens",
+    ),
+}
 
 
 @pytest.mark.parametrize(
@@ -308,8 +329,9 @@ def test_eos_ends_the_output_unless_ignored(engine, eos_run):
 def test_min_tokens_keeps_eos_from_ending_the_output_early(engine, eos_run):
     prompt, free_run = eos_run
     min_tokens = free_run.index(EOS) + 3
-    [out] = engine.generate([prompt], greedy(max_tokens=32, ignore_eos=False,
-                                             min_tokens=min_tokens))  # fmt: skip
+    [out] = engine.generate(
+        [prompt], greedy(max_tokens=32, ignore_eos=False, min_tokens=min_tokens)
+    )
     assert len(out.token_ids) >= min_tokens
     assert EOS not in out.token_ids[: min_tokens - 1]
 
@@ -392,8 +414,9 @@ abort_op = st.tuples(st.just("abort"), st.integers(0, 31))
 @given(ops=st.lists(st.one_of(add_op, step_op, step_op, abort_op), max_size=40))
 def test_any_mix_of_add_step_and_abort_drains_and_frees_every_block(demo_model_dir, ops):
     # 8 blocks of 4 tokens: the largest request (12 + 16 tokens) fits alone, few fit together
-    engine = LLMEngine.from_pretrained(demo_model_dir, block_size=4, num_kv_blocks=8,
-                                       max_num_batched_tokens=16)  # fmt: skip
+    engine = LLMEngine.from_pretrained(
+        demo_model_dir, block_size=4, num_kv_blocks=8, max_num_batched_tokens=16
+    )
     max_tokens: dict[str, int] = {}
     tokens: dict[str, list[int]] = {}
     finished: set[str] = set()

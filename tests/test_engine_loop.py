@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.worker.engine_loop import EXPORT_DONE, EngineLoop, KVExport
 
 
@@ -36,8 +36,7 @@ def test_every_block_of_every_layer_ships_exactly_once(demo_model_dir, budget):
     # A 24-token step budget splits the prompts into chunks that end mid-block.
     engine = LLMEngine.from_pretrained(demo_model_dir, max_num_batched_tokens=budget)
     prompts = [[(5 * i + j) % 900 + 3 for j in range(n)] for i, n in enumerate([70, 33, 16])]
-    for (request_id, items), prompt in zip(exported(engine, prompts).items(), prompts,
-                                           strict=True):  # fmt: skip
+    for (request_id, items), prompt in zip(exported(engine, prompts).items(), prompts, strict=True):
         num_blocks = -(-len(prompt) // 16)
         for layer in range(engine.model_config.num_layers):
             blocks = [b for item_layer, ids in items if item_layer == layer for b in ids]

@@ -9,11 +9,11 @@ import torch
 import transformers
 from conftest import write_hf_checkpoint
 
+from pdserve.core.model_config import ModelConfig
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.attention import AttentionMetadata, PrefillSpan
-from pdserve.engine.config import ModelConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model
-from pdserve.engine.sampling_params import SamplingParams
 
 GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
@@ -110,8 +110,9 @@ def test_prefix_cache_hits_equal_misses(demo_model_dir):
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_16(demo_model_dir):
-    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24,
-                            ignore_eos=True)  # fmt: skip
+    params = SamplingParams(
+        temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=24, ignore_eos=True
+    )
     prompt = random_prompts([21], seed=6)[0]
     [alone] = LLMEngine.from_pretrained(demo_model_dir).generate([prompt], params)
     others = random_prompts([5 + 3 * i for i in range(15)], seed=7)
@@ -120,8 +121,9 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch_of_16(demo_model_dir):
         others[:7] + [prompt] + others[7:], mixed_params[:7] + [params] + mixed_params[7:]
     )
     assert batch[7].token_ids == alone.token_ids
-    different_seed = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99,
-                                    max_tokens=24, ignore_eos=True)  # fmt: skip
+    different_seed = SamplingParams(
+        temperature=0.9, top_p=0.95, top_k=50, seed=99, max_tokens=24, ignore_eos=True
+    )
     [other] = LLMEngine.from_pretrained(demo_model_dir).generate([prompt], different_seed)
     assert other.token_ids != alone.token_ids
 

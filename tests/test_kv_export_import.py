@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from pdserve.engine.errors import KVCapacityError, UnknownRequestError
+from pdserve.core.errors import KVCapacityError, UnknownRequestError
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

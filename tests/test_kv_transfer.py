@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 
 from pdserve.api.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from pdserve.core import kv_chunk as checksum
+from pdserve.core.errors import KVChecksumError
+from pdserve.core.kv_chunk import KVLayerChunk
 from pdserve.engine import kv_cache
-from pdserve.engine.kv_cache import KVLayerChunk
-from pdserve.kv import checksum, codec, transfer
+from pdserve.kv import codec, transfer
 from pdserve.kv.codec import decode_message, encode_message, split_messages
 from pdserve.kv.transfer import (
-    KVChecksumError,
     KVPusher,
     KVPushError,
     add_kv_transfer_servicer,
@@ -43,8 +44,10 @@ def make_layer(layer: int, num_blocks: int) -> KVLayerChunk:
 def block_range(chunk: KVLayerChunk, start: int, stop: int) -> bytes:
     """Blocks [start, stop) of a chunk, K then V, as they appear in a split message."""
     v = chunk.num_blocks * BLOCK_BYTES
-    return (chunk.data[start * BLOCK_BYTES : stop * BLOCK_BYTES]
-            + chunk.data[v + start * BLOCK_BYTES : v + stop * BLOCK_BYTES])  # fmt: skip
+    return (
+        chunk.data[start * BLOCK_BYTES : stop * BLOCK_BYTES]
+        + chunk.data[v + start * BLOCK_BYTES : v + stop * BLOCK_BYTES]
+    )
 
 
 class UnknownLeaseError(KeyError):
@@ -137,8 +140,11 @@ def test_split_chunks_arrive_byte_identical_at_their_blocks(recorder, register):
 
     assert (totals.chunks, totals.bytes) == (9, sum(len(layer.data) for layer in layers))
     received = sorted((c.layer, first, c) for lease, first, c in recorder.chunks)
-    expected = [(layer.layer, 7 + start, start, min(start + 2, 5)) for layer in layers
-                for start in (0, 2, 4)]  # fmt: skip
+    expected = [
+        (layer.layer, 7 + start, start, min(start + 2, 5))
+        for layer in layers
+        for start in (0, 2, 4)
+    ]
     assert [(layer, first) for layer, first, _ in received] == [e[:2] for e in expected]
     for (_, _, chunk), (layer, _, start, stop) in zip(received, expected, strict=True):
         assert chunk.shape == (2, stop - start, *BLOCK_SHAPE)
@@ -257,9 +263,14 @@ def test_codec_messages_are_plain_kvchunks_for_protobuf():
 def test_codec_reads_kvchunks_serialized_by_protobuf():
     layer = make_layer(1, num_blocks=2)
     message = kv_transfer_pb2.KVChunk(
-        lease_id="x", layer=1, first_block=4, dtype="float32", shape=layer.shape,
-        data=layer.data, crc32=layer.checksum,
-    ).SerializeToString()  # fmt: skip
+        lease_id="x",
+        layer=1,
+        first_block=4,
+        dtype="float32",
+        shape=layer.shape,
+        data=layer.data,
+        crc32=layer.checksum,
+    ).SerializeToString()
     lease_id, first_block, chunk = decode_message(message)
     assert (lease_id, first_block, chunk.layer, chunk.shape, chunk.checksum) == (
         "x",

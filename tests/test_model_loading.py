@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import write_hf_checkpoint
 
-from pdserve.engine.config import ModelConfig
-from pdserve.engine.errors import ModelLoadError
+from pdserve.core.errors import ModelLoadError
+from pdserve.core.model_config import ModelConfig
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -56,8 +56,7 @@ def edited_config(src, tmp_path, **changes):
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_type"),
     ],
 )
-def test_unsupported_or_malformed_config_names_file_and_field(llama_dir, tmp_path, changes,
-                                                              named):  # fmt: skip
+def test_unsupported_or_malformed_config_names_file_and_field(llama_dir, tmp_path, changes, named):
     with pytest.raises(ModelLoadError) as err:
         ModelConfig.from_dir(edited_config(llama_dir, tmp_path, **changes))
     assert "config.json" in str(err.value) and named in str(err.value)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.block_manager import BlockManager, hash_block_tokens
+from pdserve.core.block_hash import hash_block_tokens, prompt_block_hashes
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.workers import WorkerInfo
+from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.policy import (
     CacheAwarePrefill,
     CachedHashSets,
@@ -17,9 +19,7 @@ from pdserve.router.policy import (
     RoundRobinPrefill,
     cached_prefix_blocks,
     make_prefill_policy,
-    prompt_block_hashes,
 )
-from pdserve.state.registry import WorkerInfo
 
 BLOCK_SIZE = 4
 PROMPT = list(range(100, 113))  # 13 tokens: 3 full blocks and a tail of 1

@@ -8,12 +8,8 @@ import uuid
 
 import pytest
 
-from pdserve.state.registry import (
-    MAX_CACHED_BLOCK_HASHES,
-    WorkerInfo,
-    WorkerRegistry,
-    heartbeat,
-)
+from pdserve.core.workers import MAX_CACHED_BLOCK_HASHES, WorkerInfo
+from pdserve.state.registry import WorkerRegistry, heartbeat
 
 WAIT_S = 3.0
 
@@ -56,8 +52,16 @@ def test_json_round_trip_ignores_unknown_fields():
 
 
 async def test_publish_then_list_round_trips(registry):
-    info = worker("1", model_fingerprint="fp", free_blocks=10, total_blocks=64, running=2,
-                  waiting=1, open_leases=1, cached_block_hashes=["00" * 16, "ff" * 16])  # fmt: skip
+    info = worker(
+        "1",
+        model_fingerprint="fp",
+        free_blocks=10,
+        total_blocks=64,
+        running=2,
+        waiting=1,
+        open_leases=1,
+        cached_block_hashes=["00" * 16, "ff" * 16],
+    )
     before = time.time()
     await registry.publish(info)
     [listed] = await registry.list()

@@ -17,10 +17,10 @@ import pytest
 from procs import worker_process
 
 from pdserve.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.relay import DecodeRelays
-from pdserve.wire import sampling_params_to_proto
+from pdserve.rpc.wire import sampling_params_to_proto
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
@@ -70,13 +70,17 @@ async def collect(stream) -> tuple[list[int], list[decode_pb2.TokenDelta]]:
 async def disaggregated(relays, prefill_stub, decode_stub, decode_address, prompt, params):
     """Admit, attach the lease to the relay, prefill: the router's sequence."""
     sampling = sampling_params_to_proto(params)
-    lease = await decode_stub.Admit(decode_pb2.AdmitRequest(prompt_token_ids=prompt,
-                                                            sampling=sampling))  # fmt: skip
+    lease = await decode_stub.Admit(
+        decode_pb2.AdmitRequest(prompt_token_ids=prompt, sampling=sampling)
+    )
     stream = relays.open(decode_address, decode_pb2.RelayAttach(lease_id=lease.lease_id))
-    first = await prefill_stub.Prefill(prefill_pb2.PrefillRequest(
-        prompt_token_ids=prompt, sampling=sampling,
-        target=prefill_pb2.KVTarget(address=decode_address, lease_id=lease.lease_id),
-    ))  # fmt: skip
+    first = await prefill_stub.Prefill(
+        prefill_pb2.PrefillRequest(
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            target=prefill_pb2.KVTarget(address=decode_address, lease_id=lease.lease_id),
+        )
+    )
     tokens, deltas = await collect(stream)
     return [first.first_token_id, *tokens], deltas[-1]
 
@@ -92,10 +96,12 @@ async def test_many_disaggregated_requests_share_one_call(cluster, reference_eng
             prefill_pb2_grpc.PrefillStub(pch),
             decode_pb2_grpc.DecodeStub(dch),
         )
-        results = await asyncio.gather(*(
-            disaggregated(relays, prefill_stub, decode_stub, decode.address, prompt, GREEDY)
-            for prompt in batch
-        ))  # fmt: skip
+        results = await asyncio.gather(
+            *(
+                disaggregated(relays, prefill_stub, decode_stub, decode.address, prompt, GREEDY)
+                for prompt in batch
+            )
+        )
         assert len(relays._connections) == 1  # one call carried all sixteen
         await relays.close()
     for (tokens, last), prompt, want in zip(results, batch, expected, strict=True):
@@ -107,17 +113,18 @@ async def test_many_disaggregated_requests_share_one_call(cluster, reference_eng
 
 
 @pytest.mark.parametrize("interval", [1, 5])
-async def test_colocated_generations_stream_the_engines_tokens(cluster, reference_engine,
-                                                               interval):  # fmt: skip
+async def test_colocated_generations_stream_the_engines_tokens(cluster, reference_engine, interval):
     _, decode = cluster
     batch = prompts(8, seed=2)
     expected = reference_engine.generate(batch, GREEDY)
     async with decode.channel() as channel:
         relays = DecodeRelays(lambda address: channel)
-        results = await asyncio.gather(*(
-            collect(relays.open(decode.address, generate(prompt, GREEDY, interval)))
-            for prompt in batch
-        ))  # fmt: skip
+        results = await asyncio.gather(
+            *(
+                collect(relays.open(decode.address, generate(prompt, GREEDY, interval)))
+                for prompt in batch
+            )
+        )
         await relays.close()
     for (tokens, deltas), want in zip(results, expected, strict=True):
         assert tokens == want.token_ids

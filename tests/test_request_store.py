@@ -9,29 +9,36 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
-from pdserve.engine.errors import UnknownRequestError
+from pdserve.core.errors import CheckpointsLostError, StateUnavailableError, UnknownRequestError
+from pdserve.core.phase import RequestPhase
 from pdserve.state import redis_server
 from pdserve.state.redis_server import PrivateRedis
-from pdserve.state.requests import (
-    CheckpointsLostError,
-    RequestRecord,
-    RequestStatus,
-    RequestStore,
-    StateUnavailableError,
-)
+from pdserve.state.requests import RequestRecord, RequestStore
 
 # What the engine emits, one delta per step: token ids and the text they completed.
 # "é" takes two tokens (the first completes no character); the last delta has no token,
 # only text held back until the end (as a stop-string matcher flushes it).
-DELTAS = [([11], "Hello"), ([12], ","), ([13], ""), ([14], " é"), ([15, 16], " wor"),
-          ([17], "ld"), ([], "!")]  # fmt: skip
+DELTAS = [
+    ([11], "Hello"),
+    ([12], ","),
+    ([13], ""),
+    ([14], " é"),
+    ([15, 16], " wor"),
+    ([17], "ld"),
+    ([], "!"),
+]
 TOKENS = [t for ids, _ in DELTAS for t in ids]
 TEXT = "".join(text for _, text in DELTAS)
 
 
 def record(request_id: str = "r1", **fields) -> RequestRecord:
-    return RequestRecord(request_id=request_id, status=RequestStatus.QUEUED, prompt_tokens=7,
-                         router_id="router-a", **fields)  # fmt: skip
+    return RequestRecord(
+        request_id=request_id,
+        status=RequestPhase.QUEUED,
+        prompt_tokens=7,
+        router_id="router-a",
+        **fields,
+    )
 
 
 @pytest.fixture
@@ -78,13 +85,13 @@ async def test_create_is_atomic_create_if_absent(store, redis_url):
         assert not await other.create(record())
         got = await other.get("r1")
     assert got.params_json == '{"max_tokens":8}'
-    assert got.status is RequestStatus.QUEUED
+    assert got.status is RequestPhase.QUEUED
     assert await store.get("nope") is None
 
 
 async def test_update_then_get_round_trip(store):
     await store.create(record())
-    assert await store.update("r1", status=RequestStatus.PREFILLING, prefill_worker="p0")
+    assert await store.update("r1", status=RequestPhase.PREFILLING, prefill_worker="p0")
     assert await store.update("r1", status="decoding", decode_worker="d1", cached_prompt_tokens=4)
     got = await store.get("r1")
     assert (got.status, got.prefill_worker, got.decode_worker) == ("decoding", "p0", "d1")
@@ -95,7 +102,7 @@ async def test_update_then_get_round_trip(store):
 async def test_update_refuses_terminal_status_and_unknown_fields(store):
     await store.create(record())
     with pytest.raises(ValueError, match="finish"):
-        await store.update("r1", status=RequestStatus.FINISHED)
+        await store.update("r1", status=RequestPhase.FINISHED)
     with pytest.raises(ValueError, match="colour"):
         await store.update("r1", colour="red")
 
@@ -103,9 +110,9 @@ async def test_update_refuses_terminal_status_and_unknown_fields(store):
 async def test_only_the_creating_store_writes(store, redis_url):
     await store.create(record())
     async with RequestStore(redis_url, key_prefix=store.key_prefix) as other:
-        assert not await other.update("r1", status=RequestStatus.DECODING)
-        assert not await other.finish("r1", RequestStatus.CANCELLED, "abort")
-    assert (await store.get("r1")).status is RequestStatus.QUEUED
+        assert not await other.update("r1", status=RequestPhase.DECODING)
+        assert not await other.finish("r1", RequestPhase.CANCELLED, "abort")
+    assert (await store.get("r1")).status is RequestPhase.QUEUED
 
 
 async def test_appends_reach_redis_in_one_round_trip_for_all_requests(private_redis):
@@ -133,8 +140,9 @@ async def test_appends_reach_redis_in_one_round_trip_for_all_requests(private_re
 
 async def test_checkpoint_lands_after_the_interval(redis_url):
     prefix = uuid.uuid4().hex
-    async with RequestStore(redis_url, key_prefix=prefix, checkpoint_interval_s=0.05,
-                            checkpoint_tokens=1000) as store:  # fmt: skip
+    async with RequestStore(
+        redis_url, key_prefix=prefix, checkpoint_interval_s=0.05, checkpoint_tokens=1000
+    ) as store:
         await store.create(record())
         store.append_tokens("r1", [5], "x")
 
@@ -146,8 +154,9 @@ async def test_checkpoint_lands_after_the_interval(redis_url):
 
 async def test_checkpoint_lands_once_checkpoint_tokens_are_buffered(redis_url):
     prefix = uuid.uuid4().hex
-    async with RequestStore(redis_url, key_prefix=prefix, checkpoint_interval_s=60,
-                            checkpoint_tokens=4) as store:  # fmt: skip
+    async with RequestStore(
+        redis_url, key_prefix=prefix, checkpoint_interval_s=60, checkpoint_tokens=4
+    ) as store:
         await store.create(record())
         for token in range(4):
             store.append_tokens("r1", [token], str(token))
@@ -164,7 +173,7 @@ async def test_read_tokens_from_any_offset(store):
     append_all(store, "r1", DELTAS[:3])
     await store.flush()
     append_all(store, "r1", DELTAS[3:])
-    await store.finish("r1", RequestStatus.FINISHED, "stop")
+    await store.finish("r1", RequestPhase.FINISHED, "stop")
     for offset in range(len(TOKENS) + 1):
         ids, _ = await store.read_tokens("r1", offset)
         assert ids == TOKENS[offset:]
@@ -178,7 +187,7 @@ async def test_resume_after_any_delta_gives_exactly_the_rest_of_the_text(store):
     for ids, text in DELTAS:  # a checkpoint after every delta: entries of one delta each
         store.append_tokens("r1", ids, text)
         await store.flush()
-    await store.finish("r1", RequestStatus.FINISHED, "stop")
+    await store.finish("r1", RequestPhase.FINISHED, "stop")
     # a client that got deltas [0, n) and disconnected resumes from the tokens it holds
     for n in range(len(DELTAS)):
         seen = DELTAS[:n]
@@ -190,7 +199,7 @@ async def test_resume_after_any_delta_gives_exactly_the_rest_of_the_text(store):
 async def test_offset_past_the_end_of_a_finished_request(store):
     await store.create(record())
     append_all(store, "r1")
-    await store.finish("r1", RequestStatus.FINISHED, "stop")
+    await store.finish("r1", RequestPhase.FINISHED, "stop")
     with pytest.raises(ValueError, match="resume_from beyond the stream"):
         await store.read_tokens("r1", len(TOKENS) + 1)
     with pytest.raises(ValueError, match="resume_from beyond the stream"):
@@ -216,14 +225,14 @@ async def test_follow_sees_tokens_appended_later_and_ends_at_finish(store):
         await asyncio.sleep(0.02)
         store.append_tokens("r1", ids, text)
         await store.flush()
-    await store.finish("r1", RequestStatus.FINISHED, "stop")
+    await store.finish("r1", RequestPhase.FINISHED, "stop")
     items = await asyncio.wait_for(follower, 5.0)
     assert len(items) > 1  # it streamed, not just read the end
     assert [t for ids, _, _ in items for t in ids] == TOKENS
     assert "".join(text for _, text, _ in items) == TEXT
     assert all(final is None for _, _, final in items[:-1])
     final = items[-1][2]
-    assert final.status is RequestStatus.FINISHED and final.finish_reason == "stop"
+    assert final.status is RequestPhase.FINISHED and final.finish_reason == "stop"
     assert final.completion_tokens == len(TOKENS) and final.finished_at > 0
 
 
@@ -234,7 +243,7 @@ async def test_follow_from_an_offset_ahead_of_the_checkpoints_waits_for_it(store
     follower = asyncio.create_task(collect(store, "r1", 4))  # the client saw 4 tokens
     await asyncio.sleep(0.05)
     append_all(store, "r1", DELTAS[2:])
-    await store.finish("r1", RequestStatus.FAILED, "", error="UNAVAILABLE: decode worker lost")
+    await store.finish("r1", RequestPhase.FAILED, "", error="UNAVAILABLE: decode worker lost")
     items = await asyncio.wait_for(follower, 5.0)
     assert [t for ids, _, _ in items for t in ids] == TOKENS[4:]
     assert "".join(text for _, text, _ in items) == " world!"
@@ -247,10 +256,10 @@ async def test_a_range_written_twice_is_read_once(store, client):
     await store.flush()
     # what a retry after an ambiguous failure (EXEC applied, reply lost) leaves behind
     stream = f"{store.key_prefix}:tokens:r1"
-    (_, fields), = await client.xrange(stream)  # fmt: skip
+    ((_, fields),) = await client.xrange(stream)
     await client.xadd(stream, fields)
     append_all(store, "r1", DELTAS[3:])
-    await store.finish("r1", RequestStatus.FINISHED, "stop")
+    await store.finish("r1", RequestPhase.FINISHED, "stop")
     assert await client.xlen(stream) == 4
     assert await store.read_tokens("r1", 0) == (TOKENS, TEXT)
     assert await store.read_tokens("r1", 2) == (TOKENS[2:], "".join(t for _, t in DELTAS[2:]))
@@ -267,7 +276,7 @@ async def test_keys_carry_the_ttl_and_writes_refresh_it(redis_url, client):
         assert 25_000 < await client.pttl(stream_key) <= 30_000
         await client.pexpire(record_key, 1000)
         await client.pexpire(stream_key, 1000)
-        await store.finish("r1", RequestStatus.CANCELLED, "abort")
+        await store.finish("r1", RequestPhase.CANCELLED, "abort")
         assert 25_000 < await client.pttl(record_key) <= 30_000
         assert 25_000 < await client.pttl(stream_key) <= 30_000
 
@@ -288,8 +297,8 @@ async def test_an_outage_fails_new_requests_fast_and_running_ones_catch_up(monke
             with pytest.raises(StateUnavailableError):
                 await store.get("r1")
             append_all(store, "r1", DELTAS[3:])  # the running stream goes on
-            assert await store.update("r1", status=RequestStatus.DECODING)
-            assert await store.finish("r1", RequestStatus.FINISHED, "stop")
+            assert await store.update("r1", status=RequestPhase.DECODING)
+            assert await store.finish("r1", RequestPhase.FINISHED, "stop")
             assert time.monotonic() - started < 1.0
 
             monkeypatch.setattr(redis_server, "free_port", lambda host: port)

@@ -9,9 +9,9 @@ import pytest
 from procs import router_process, worker_process
 
 from pdserve.api.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.wire import sampling_params_to_proto
+from pdserve.rpc.wire import sampling_params_to_proto
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -23,11 +23,12 @@ def cluster(demo_model_dir, redis_url, tmp_path_factory):
     registry = ("--redis-url", redis_url)
     with (
         worker_process("prefill", demo_model_dir, *registry, log_dir=logs) as prefill,
-        worker_process("decode", demo_model_dir, *registry, "--num-kv-blocks", "300",
-                       log_dir=logs) as decode,
+        worker_process(
+            "decode", demo_model_dir, *registry, "--num-kv-blocks", "300", log_dir=logs
+        ) as decode,
         router_process(demo_model_dir, redis_url, log_dir=logs) as (router_a, _),
         router_process(demo_model_dir, redis_url, log_dir=logs) as (router_b, _),
-    ):  # fmt: skip
+    ):
         yield {"prefill": prefill, "decode": decode, "routers": [router_a, router_b]}
 
 
@@ -97,14 +98,21 @@ async def test_resume_through_another_router_equals_the_uninterrupted_stream(clu
     router_a, router_b = cluster["routers"]
     await wait_for_workers(router_a)
     sampling = sampling_params_to_proto(GREEDY)
-    full = await generate(router_a, text="Resume me", request_id="resume-1", sampling=sampling,
-                          stream=True)  # fmt: skip
+    full = await generate(
+        router_a, text="Resume me", request_id="resume-1", sampling=sampling, stream=True
+    )
     # A client resumes from the tokens it has, i.e. after a whole message (one may carry
     # several tokens when the router or the worker coalesced them).
     for num_messages in (0, 5, len(full)):
         offset = len(tokens_of(full[:num_messages]))
-        tail = await generate(router_b, request_id="resume-1", resume_from=offset,
-                              text="Resume me", sampling=sampling, stream=True)  # fmt: skip
+        tail = await generate(
+            router_b,
+            request_id="resume-1",
+            resume_from=offset,
+            text="Resume me",
+            sampling=sampling,
+            stream=True,
+        )
         assert tokens_of(full)[:offset] + tokens_of(tail) == tokens_of(full)
         text_before = "".join(m.text for m in full[:num_messages])
         assert text_before + "".join(m.text for m in tail) == "".join(m.text for m in full)

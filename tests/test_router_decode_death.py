@@ -10,9 +10,9 @@ import pytest
 from procs import router_process, worker_process
 
 from pdserve.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.wire import sampling_params_to_proto
+from pdserve.rpc.wire import sampling_params_to_proto
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, seed=5, max_tokens=800, ignore_eos=True)
@@ -35,10 +35,14 @@ def cluster(request, demo_model_dir, redis_url, tmp_path):
 
 async def stream(stub, prompt, params, request_id):
     messages = []
-    async for message in stub.Generate(router_pb2.GenerateRequest(
-        token_ids=router_pb2.TokenIds(ids=prompt), sampling=sampling_params_to_proto(params),
-        request_id=request_id, stream=True,
-    )):  # fmt: skip
+    async for message in stub.Generate(
+        router_pb2.GenerateRequest(
+            token_ids=router_pb2.TokenIds(ids=prompt),
+            sampling=sampling_params_to_proto(params),
+            request_id=request_id,
+            stream=True,
+        )
+    ):
         messages.append(message)
     return messages
 
@@ -76,8 +80,10 @@ async def test_sigkill_of_a_decode_worker_mid_stream_loses_no_token(cluster, dem
         while len((await stub.ListWorkers(router_pb2.ListWorkersRequest())).workers) < 3:
             assert time.monotonic() < deadline, "workers never registered"
             await asyncio.sleep(0.1)
-        runs = [asyncio.create_task(stream(stub, p, s, i))
-                for p, s, i in zip(prompts, params, ids, strict=True)]  # fmt: skip
+        runs = [
+            asyncio.create_task(stream(stub, p, s, i))
+            for p, s, i in zip(prompts, params, ids, strict=True)
+        ]
         await wait_until_decoding_on(victim, stub, ids, runs)
         victim.proc.kill()
         results = await asyncio.gather(*runs)

@@ -20,11 +20,11 @@ from grpc_status import rpc_status
 from procs import router_process, worker_process
 
 from pdserve.api.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.rpc.wire import sampling_params_to_proto
 from pdserve.state.redis_server import PrivateRedis
-from pdserve.wire import sampling_params_to_proto
 
 # The demo model's vocabulary and context window; `cluster` checks them against ModelInfo.
 VOCAB_SIZE = 1024
@@ -50,17 +50,17 @@ def cluster(demo_model_dir, redis_url, tmp_path_factory):
     registry = ("--redis-url", redis_url)
     with (
         worker_process("prefill", demo_model_dir, *registry, log_dir=logs) as prefill,
-        worker_process("decode", demo_model_dir, *registry, "--num-kv-blocks", "600",
-                       log_dir=logs) as decode,
+        worker_process(
+            "decode", demo_model_dir, *registry, "--num-kv-blocks", "600", log_dir=logs
+        ) as decode,
         router_process(demo_model_dir, redis_url, log_dir=logs) as (router_a, _),
         router_process(demo_model_dir, redis_url, log_dir=logs) as (router_b, _),
-    ):  # fmt: skip
+    ):
         asyncio.run(wait_for_workers(router_a, 2))
         asyncio.run(wait_for_workers(router_b, 2))
         info = asyncio.run(call(router_a, "ModelInfo", router_pb2.ModelInfoRequest()))
         assert (info.vocab_size, info.max_model_len) == (VOCAB_SIZE, CONTEXT)
-        yield {"prefill": prefill, "decode": decode, "routers": [router_a, router_b],
-               "logs": logs}  # fmt: skip
+        yield {"prefill": prefill, "decode": decode, "routers": [router_a, router_b], "logs": logs}
 
 
 @pytest.fixture(scope="module")
@@ -90,33 +90,39 @@ async def wait_for_workers(address: str, count: int, timeout_s: float = 15) -> N
     raise TimeoutError(f"router {address} never saw {count} healthy workers")
 
 
-async def wait_for_status(address: str, request_id: str, statuses: set[str],
-                          timeout_s: float = 10) -> router_pb2.RequestInfo:  # fmt: skip
+async def wait_for_status(
+    address: str, request_id: str, statuses: set[str], timeout_s: float = 10
+) -> router_pb2.RequestInfo:
     """Poll GetRequest until the request's status is one of `statuses`."""
     deadline = time.monotonic() + timeout_s
     while True:
-        info = await call(address, "GetRequest", router_pb2.GetRequestRequest(
-            request_id=request_id))  # fmt: skip
+        info = await call(
+            address, "GetRequest", router_pb2.GetRequestRequest(request_id=request_id)
+        )
         if info.status in statuses or time.monotonic() > deadline:
             return info
         await asyncio.sleep(POLL_S)
 
 
-def generate_request(text: str = "a valid prompt", params: SamplingParams = GREEDY,
-                     **fields) -> router_pb2.GenerateRequest:  # fmt: skip
-    return router_pb2.GenerateRequest(text=text, sampling=sampling_params_to_proto(params),
-                                      stream=True, **fields)  # fmt: skip
+def generate_request(
+    text: str = "a valid prompt", params: SamplingParams = GREEDY, **fields
+) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(
+        text=text, sampling=sampling_params_to_proto(params), stream=True, **fields
+    )
 
 
 def with_sampling(**fields) -> router_pb2.GenerateRequest:
     """A valid greedy request whose sampling has `fields` set (as the proto takes them)."""
-    return router_pb2.GenerateRequest(text="a valid prompt", sampling=common_pb2.SamplingParams(
-        **{"max_tokens": 4, **fields}))  # fmt: skip
+    return router_pb2.GenerateRequest(
+        text="a valid prompt", sampling=common_pb2.SamplingParams(**{"max_tokens": 4, **fields})
+    )
 
 
 def token_prompt(*ids: int) -> router_pb2.GenerateRequest:
-    return router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=ids),
-                                      sampling=common_pb2.SamplingParams(max_tokens=4))  # fmt: skip
+    return router_pb2.GenerateRequest(
+        token_ids=router_pb2.TokenIds(ids=ids), sampling=common_pb2.SamplingParams(max_tokens=4)
+    )
 
 
 def tokens_of(messages) -> list[int]:
@@ -147,11 +153,16 @@ def clear_greedy_cases(
     """`num` random prompts (lengths in [low, high)), each with the engine's greedy output
     (with logprobs), keeping only prompts whose picks all win by MIN_GREEDY_MARGIN or more."""
     rng = random.Random(seed)
-    candidates = [[rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randrange(*lengths))]
-                  for _ in range(2 * num)]  # fmt: skip
+    candidates = [
+        [rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randrange(*lengths))]
+        for _ in range(2 * num)
+    ]
     outputs = engine.generate(candidates, dataclasses.replace(params, logprobs=2))
-    cases = [(prompt, output) for prompt, output in zip(candidates, outputs, strict=True)
-             if greedy_margin(output) >= MIN_GREEDY_MARGIN]  # fmt: skip
+    cases = [
+        (prompt, output)
+        for prompt, output in zip(candidates, outputs, strict=True)
+        if greedy_margin(output) >= MIN_GREEDY_MARGIN
+    ]
     assert len(cases) >= num, "too few prompts with clear greedy picks"
     return cases[:num]
 
@@ -181,62 +192,162 @@ class BadCall:
 
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 BAD_CALLS = [
-    pytest.param(BadCall("Generate", router_pb2.GenerateRequest(
-        text="", sampling=common_pb2.SamplingParams(max_tokens=4)), INVALID, "prompt.text"),
-        id="empty-text-prompt"),
-    pytest.param(BadCall("Generate", router_pb2.GenerateRequest(
-        sampling=common_pb2.SamplingParams(max_tokens=4)), INVALID, "prompt"), id="no-prompt"),
-    pytest.param(BadCall("Generate", token_prompt(5, VOCAB_SIZE), INVALID,
-                         "prompt.token_ids[1]"), id="token-id-past-the-vocabulary"),
-    pytest.param(BadCall("Generate", token_prompt(-1, 5), INVALID, "prompt.token_ids[0]"),
-                 id="negative-token-id"),
-    pytest.param(BadCall("Generate", token_prompt(*[7] * CONTEXT), INVALID, "prompt"),
-                 id="prompt-fills-the-context"),
-    pytest.param(BadCall("Generate", with_sampling(max_tokens=0), INVALID,
-                         "sampling.max_tokens"), id="max-tokens-0"),
-    pytest.param(BadCall("Generate", with_sampling(max_tokens=CONTEXT), INVALID,
-                         "sampling.max_tokens"), id="max-tokens-past-the-context"),
-    pytest.param(BadCall("Generate", with_sampling(temperature=-0.5), INVALID,
-                         "sampling.temperature"), id="negative-temperature"),
-    pytest.param(BadCall("Generate", with_sampling(temperature=float("nan")), INVALID,
-                         "sampling.temperature"), id="nan-temperature"),
-    pytest.param(BadCall("Generate", with_sampling(top_p=0.0), INVALID,
-                         "sampling.top_p"), id="top-p-0"),
-    pytest.param(BadCall("Generate", with_sampling(top_p=1.5), INVALID,
-                         "sampling.top_p"), id="top-p-1.5"),
-    pytest.param(BadCall("Generate", with_sampling(top_k=-1), INVALID,
-                         "sampling.top_k"), id="negative-top-k"),
-    pytest.param(BadCall("Generate", with_sampling(min_p=2.0), INVALID,
-                         "sampling.min_p"), id="min-p-2"),
-    pytest.param(BadCall("Generate", with_sampling(repetition_penalty=0.0), INVALID,
-                         "sampling.repetition_penalty"), id="repetition-penalty-0"),
-    pytest.param(BadCall("Generate", with_sampling(frequency_penalty=3.0), INVALID,
-                         "sampling.frequency_penalty"), id="frequency-penalty-3"),
-    pytest.param(BadCall("Generate", with_sampling(logprobs=21), INVALID,
-                         "sampling.logprobs"), id="logprobs-21"),
-    pytest.param(BadCall("Generate", with_sampling(stop_token_ids=[3, VOCAB_SIZE]), INVALID,
-                         "sampling.stop_token_ids[1]"), id="stop-token-id-past-vocab"),
-    pytest.param(BadCall("Generate", with_sampling(stop=["ok", ""]), INVALID,
-                         "sampling.stop[1]"), id="empty-stop-string"),
-    pytest.param(BadCall("Generate", with_sampling(max_tokens=4, min_tokens=5), INVALID,
-                         "sampling.min_tokens"), id="min-tokens-above-max-tokens"),
-    pytest.param(BadCall("GetRequest", router_pb2.GetRequestRequest(request_id=UNKNOWN_ID),
-                         NOT_FOUND, details=UNKNOWN_ID), id="get-unknown-request"),
-    pytest.param(BadCall("Cancel", router_pb2.CancelRequest(request_id=UNKNOWN_ID), NOT_FOUND,
-                         details=UNKNOWN_ID), id="cancel-unknown-request"),
-    pytest.param(BadCall("Generate", generate_request(request_id=UNKNOWN_ID, resume_from=0),
-                         NOT_FOUND, details=UNKNOWN_ID), id="resume-unknown-request"),
-    pytest.param(BadCall("Generate", generate_request(
-        request_id=FINISHED_ID, resume_from=5, params=SamplingParams(
-            temperature=0.0, max_tokens=4, ignore_eos=True)),
-        grpc.StatusCode.OUT_OF_RANGE, "resume_from"), id="resume-past-the-end"),
-    pytest.param(BadCall("Detokenize", router_pb2.DetokenizeRequest(token_ids=[5, VOCAB_SIZE]),
-                         INVALID, "token_ids[1]"), id="detokenize-id-past-the-vocabulary"),
-    pytest.param(BadCall("Generate", router_pb2.GenerateRequest(
-        text="x" * (17 << 20), sampling=common_pb2.SamplingParams(max_tokens=4)),
-        grpc.StatusCode.RESOURCE_EXHAUSTED, details="larger than max"),
-        id="message-over-16-mib"),
-]  # fmt: skip
+    pytest.param(
+        BadCall(
+            "Generate",
+            router_pb2.GenerateRequest(text="", sampling=common_pb2.SamplingParams(max_tokens=4)),
+            INVALID,
+            "prompt.text",
+        ),
+        id="empty-text-prompt",
+    ),
+    pytest.param(
+        BadCall(
+            "Generate",
+            router_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=4)),
+            INVALID,
+            "prompt",
+        ),
+        id="no-prompt",
+    ),
+    pytest.param(
+        BadCall("Generate", token_prompt(5, VOCAB_SIZE), INVALID, "prompt.token_ids[1]"),
+        id="token-id-past-the-vocabulary",
+    ),
+    pytest.param(
+        BadCall("Generate", token_prompt(-1, 5), INVALID, "prompt.token_ids[0]"),
+        id="negative-token-id",
+    ),
+    pytest.param(
+        BadCall("Generate", token_prompt(*[7] * CONTEXT), INVALID, "prompt"),
+        id="prompt-fills-the-context",
+    ),
+    pytest.param(
+        BadCall("Generate", with_sampling(max_tokens=0), INVALID, "sampling.max_tokens"),
+        id="max-tokens-0",
+    ),
+    pytest.param(
+        BadCall("Generate", with_sampling(max_tokens=CONTEXT), INVALID, "sampling.max_tokens"),
+        id="max-tokens-past-the-context",
+    ),
+    pytest.param(
+        BadCall("Generate", with_sampling(temperature=-0.5), INVALID, "sampling.temperature"),
+        id="negative-temperature",
+    ),
+    pytest.param(
+        BadCall(
+            "Generate", with_sampling(temperature=float("nan")), INVALID, "sampling.temperature"
+        ),
+        id="nan-temperature",
+    ),
+    pytest.param(
+        BadCall("Generate", with_sampling(top_p=0.0), INVALID, "sampling.top_p"), id="top-p-0"
+    ),
+    pytest.param(
+        BadCall("Generate", with_sampling(top_p=1.5), INVALID, "sampling.top_p"), id="top-p-1.5"
+    ),
+    pytest.param(
+        BadCall("Generate", with_sampling(top_k=-1), INVALID, "sampling.top_k"), id="negative-top-k"
+    ),
+    pytest.param(
+        BadCall("Generate", with_sampling(min_p=2.0), INVALID, "sampling.min_p"), id="min-p-2"
+    ),
+    pytest.param(
+        BadCall(
+            "Generate",
+            with_sampling(repetition_penalty=0.0),
+            INVALID,
+            "sampling.repetition_penalty",
+        ),
+        id="repetition-penalty-0",
+    ),
+    pytest.param(
+        BadCall(
+            "Generate", with_sampling(frequency_penalty=3.0), INVALID, "sampling.frequency_penalty"
+        ),
+        id="frequency-penalty-3",
+    ),
+    pytest.param(
+        BadCall("Generate", with_sampling(logprobs=21), INVALID, "sampling.logprobs"),
+        id="logprobs-21",
+    ),
+    pytest.param(
+        BadCall(
+            "Generate",
+            with_sampling(stop_token_ids=[3, VOCAB_SIZE]),
+            INVALID,
+            "sampling.stop_token_ids[1]",
+        ),
+        id="stop-token-id-past-vocab",
+    ),
+    pytest.param(
+        BadCall("Generate", with_sampling(stop=["ok", ""]), INVALID, "sampling.stop[1]"),
+        id="empty-stop-string",
+    ),
+    pytest.param(
+        BadCall(
+            "Generate", with_sampling(max_tokens=4, min_tokens=5), INVALID, "sampling.min_tokens"
+        ),
+        id="min-tokens-above-max-tokens",
+    ),
+    pytest.param(
+        BadCall(
+            "GetRequest",
+            router_pb2.GetRequestRequest(request_id=UNKNOWN_ID),
+            NOT_FOUND,
+            details=UNKNOWN_ID,
+        ),
+        id="get-unknown-request",
+    ),
+    pytest.param(
+        BadCall(
+            "Cancel", router_pb2.CancelRequest(request_id=UNKNOWN_ID), NOT_FOUND, details=UNKNOWN_ID
+        ),
+        id="cancel-unknown-request",
+    ),
+    pytest.param(
+        BadCall(
+            "Generate",
+            generate_request(request_id=UNKNOWN_ID, resume_from=0),
+            NOT_FOUND,
+            details=UNKNOWN_ID,
+        ),
+        id="resume-unknown-request",
+    ),
+    pytest.param(
+        BadCall(
+            "Generate",
+            generate_request(
+                request_id=FINISHED_ID,
+                resume_from=5,
+                params=SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+            ),
+            grpc.StatusCode.OUT_OF_RANGE,
+            "resume_from",
+        ),
+        id="resume-past-the-end",
+    ),
+    pytest.param(
+        BadCall(
+            "Detokenize",
+            router_pb2.DetokenizeRequest(token_ids=[5, VOCAB_SIZE]),
+            INVALID,
+            "token_ids[1]",
+        ),
+        id="detokenize-id-past-the-vocabulary",
+    ),
+    pytest.param(
+        BadCall(
+            "Generate",
+            router_pb2.GenerateRequest(
+                text="x" * (17 << 20), sampling=common_pb2.SamplingParams(max_tokens=4)
+            ),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            details="larger than max",
+        ),
+        id="message-over-16-mib",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -270,8 +381,7 @@ async def test_bad_input_is_refused_with_its_code_and_field(cluster, finished_re
     await assert_fails_as(cluster["routers"][0], bad)
 
 
-async def test_the_router_serves_normally_after_every_bad_input(cluster, finished_request,
-                                                                engine):  # fmt: skip
+async def test_the_router_serves_normally_after_every_bad_input(cluster, finished_request, engine):
     router = cluster["routers"][0]
     bad_calls = [param.values[0] for param in BAD_CALLS if not param.marks]
     await asyncio.gather(*(assert_fails_as(router, bad) for bad in bad_calls))
@@ -288,9 +398,10 @@ async def test_text_prompt_that_is_not_utf8_is_invalid_argument_naming_prompt_te
     raw = b"\x0a\x02\xff\xfe" + sampling.SerializeToString()
     async with grpc.aio.insecure_channel(cluster["routers"][0]) as channel:
         generate = channel.unary_stream(
-            "/pdserve.v1.Router/Generate", request_serializer=lambda data: data,
+            "/pdserve.v1.Router/Generate",
+            request_serializer=lambda data: data,
             response_deserializer=router_pb2.GenerateResponse.FromString,
-        )  # fmt: skip
+        )
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             [message async for message in generate(raw)]
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
@@ -306,16 +417,19 @@ def second_prefill(cluster, demo_model_dir, redis_url):
     takes the two prefill workers in turn (so half the requests always land on each)."""
     logs = cluster["logs"]
     with (
-        worker_process("prefill", demo_model_dir, "--redis-url", redis_url,
-                       log_dir=logs) as prefill,
-        router_process(demo_model_dir, redis_url, "--prefill-policy", "round_robin",
-                       log_dir=logs) as (router, _),
-    ):  # fmt: skip
+        worker_process(
+            "prefill", demo_model_dir, "--redis-url", redis_url, log_dir=logs
+        ) as prefill,
+        router_process(
+            demo_model_dir, redis_url, "--prefill-policy", "round_robin", log_dir=logs
+        ) as (router, _),
+    ):
         yield prefill, router
 
 
-async def test_sigkill_of_a_prefill_worker_mid_flight_loses_no_request(cluster, second_prefill,
-                                                                       engine):  # fmt: skip
+async def test_sigkill_of_a_prefill_worker_mid_flight_loses_no_request(
+    cluster, second_prefill, engine
+):
     victim, router = second_prefill
     await wait_for_workers(router, 3)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
@@ -326,10 +440,21 @@ async def test_sigkill_of_a_prefill_worker_mid_flight_loses_no_request(cluster, 
     # strike while they are in flight.
     os.kill(victim.proc.pid, signal.SIGSTOP)
     try:
-        runs = [asyncio.create_task(call(router, "Generate", router_pb2.GenerateRequest(
-            token_ids=router_pb2.TokenIds(ids=prompt), request_id=request_id, stream=True,
-            sampling=sampling_params_to_proto(params))))
-            for (prompt, _), request_id in zip(cases, ids, strict=True)]  # fmt: skip
+        runs = [
+            asyncio.create_task(
+                call(
+                    router,
+                    "Generate",
+                    router_pb2.GenerateRequest(
+                        token_ids=router_pb2.TokenIds(ids=prompt),
+                        request_id=request_id,
+                        stream=True,
+                        sampling=sampling_params_to_proto(params),
+                    ),
+                )
+            )
+            for (prompt, _), request_id in zip(cases, ids, strict=True)
+        ]
         stuck = await first_prefilling_on(router, ids, victim.address)
     finally:
         victim.proc.kill()  # SIGKILL works on a stopped process too
@@ -344,8 +469,9 @@ async def test_sigkill_of_a_prefill_worker_mid_flight_loses_no_request(cluster, 
         assert (load.free_blocks, load.open_leases, load.running) == (load.total_blocks, 0, 0)
 
 
-async def first_prefilling_on(router: str, ids: list[str], worker: str,
-                              timeout_s: float = 10) -> str:  # fmt: skip
+async def first_prefilling_on(
+    router: str, ids: list[str], worker: str, timeout_s: float = 10
+) -> str:
     """The id of a request the router has handed to `worker` for prefill."""
     deadline = time.monotonic() + timeout_s
     async with grpc.aio.insecure_channel(router) as channel:
@@ -353,8 +479,9 @@ async def first_prefilling_on(router: str, ids: list[str], worker: str,
         while time.monotonic() < deadline:
             for request_id in ids:
                 try:
-                    info = await stub.GetRequest(router_pb2.GetRequestRequest(
-                        request_id=request_id))  # fmt: skip
+                    info = await stub.GetRequest(
+                        router_pb2.GetRequestRequest(request_id=request_id)
+                    )
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() == grpc.StatusCode.NOT_FOUND:  # not created yet
                         continue
@@ -376,8 +503,7 @@ async def test_cancel_through_the_other_router_aborts_the_stream_and_frees_block
             generate_request(STREAM_PROMPT, LONG, request_id=request_id)
         )
         messages = [await stream.read()]  # decoding has begun
-        cancelled = await call(router_b, "Cancel", router_pb2.CancelRequest(
-            request_id=request_id))  # fmt: skip
+        cancelled = await call(router_b, "Cancel", router_pb2.CancelRequest(request_id=request_id))
         while (message := await stream.read()) is not grpc.aio.EOF:
             messages.append(message)
     assert cancelled.cancelled
@@ -390,8 +516,9 @@ async def test_cancel_through_the_other_router_aborts_the_stream_and_frees_block
 
 
 async def test_cancel_of_a_finished_request_reports_nothing_cancelled(cluster, finished_request):
-    response = await call(cluster["routers"][1], "Cancel", router_pb2.CancelRequest(
-        request_id=finished_request))  # fmt: skip
+    response = await call(
+        cluster["routers"][1], "Cancel", router_pb2.CancelRequest(request_id=finished_request)
+    )
     assert not response.cancelled
 
 
@@ -427,8 +554,7 @@ async def test_a_client_that_leaves_while_the_router_waits_to_send_is_recorded_c
         await stream.read()
         load = cluster["decode"].wait_idle(timeout_s=30)  # the router holds all the output
         assert load.free_blocks == load.total_blocks
-        info = await call(router, "GetRequest", router_pb2.GetRequestRequest(
-            request_id=request_id))  # fmt: skip
+        info = await call(router, "GetRequest", router_pb2.GetRequestRequest(request_id=request_id))
         assert info.status == "decoding" and info.usage.completion_tokens < params.max_tokens
         stream.cancel()
     info = await wait_for_status(router, request_id, {"cancelled"}, timeout_s=5)
@@ -462,17 +588,25 @@ def router_on_private_redis(cluster, demo_model_dir):
     which the test may stop (`redis.stop()`)."""
     redis = PrivateRedis().start()
     try:
-        with router_process(demo_model_dir, redis.url, "--discovery", "static",
-                            "--prefill", cluster["prefill"].address,
-                            "--decode", cluster["decode"].address,
-                            log_dir=cluster["logs"]) as (router, _):  # fmt: skip
+        with router_process(
+            demo_model_dir,
+            redis.url,
+            "--discovery",
+            "static",
+            "--prefill",
+            cluster["prefill"].address,
+            "--decode",
+            cluster["decode"].address,
+            log_dir=cluster["logs"],
+        ) as (router, _):
             yield router, redis
     finally:
         redis.stop()
 
 
-async def test_without_redis_a_new_request_fails_fast_as_unavailable(router_on_private_redis,
-                                                                     cluster):  # fmt: skip
+async def test_without_redis_a_new_request_fails_fast_as_unavailable(
+    router_on_private_redis, cluster
+):
     router, redis = router_on_private_redis
     await wait_for_workers(router, 2)
     assert tokens_of(await call(router, "Generate", generate_request()))  # serving before
@@ -490,8 +624,9 @@ async def test_without_redis_a_new_request_fails_fast_as_unavailable(router_on_p
         assert (load.free_blocks, load.open_leases, load.running) == (load.total_blocks, 0, 0)
 
 
-async def test_a_stream_running_when_redis_stops_still_completes(router_on_private_redis,
-                                                                 cluster, engine):  # fmt: skip
+async def test_a_stream_running_when_redis_stops_still_completes(
+    router_on_private_redis, cluster, engine
+):
     router, redis = router_on_private_redis
     await wait_for_workers(router, 2)
     params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)

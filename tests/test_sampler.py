@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.sampler import Sampler, SamplingState
-from pdserve.engine.sampling_params import SamplingParams
 
 NUM_DRAWS = 4000  # rows per frequency check; with fixed seeds every check is deterministic
 

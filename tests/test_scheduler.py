@@ -7,9 +7,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 EOS = 2

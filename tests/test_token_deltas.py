@@ -13,14 +13,22 @@ import itertools
 import pytest
 
 from pdserve.api.v1 import common_pb2
-from pdserve.engine.outputs import RequestOutput, TokenLogprobs
+from pdserve.core.sampling_params import TokenLogprobs
+from pdserve.engine.outputs import RequestOutput
 from pdserve.router.runner import DeliveredTokens
-from pdserve.wire import deltas_to_proto, drop_first_tokens
+from pdserve.rpc.wire import deltas_to_proto, drop_first_tokens
 
 # One engine step each: "é" takes two tokens (the first completes no character), one
 # step yields two tokens at once, and the last step has no token, only held-back text.
-STEPS = [([11], "Hello"), ([12], ","), ([13], ""), ([14], " é"), ([15, 16], " wor"),
-         ([17], "ld"), ([], "!")]  # fmt: skip
+STEPS = [
+    ([11], "Hello"),
+    ([12], ","),
+    ([13], ""),
+    ([14], " é"),
+    ([15, 16], " wor"),
+    ([17], "ld"),
+    ([], "!"),
+]
 TOKENS = [t for ids, _ in STEPS for t in ids]
 TEXT = "".join(text for _, text in STEPS)
 
@@ -28,11 +36,17 @@ TEXT = "".join(text for _, text in STEPS)
 def outputs() -> list[RequestOutput]:
     last = len(STEPS) - 1
     return [
-        RequestOutput("r", [1, 2], list(ids), text, finished=i == last,
-                      finish_reason="stop" if i == last else None,
-                      logprobs=[TokenLogprobs(t, -0.5, []) for t in ids])
+        RequestOutput(
+            "r",
+            [1, 2],
+            list(ids),
+            text,
+            finished=i == last,
+            finish_reason="stop" if i == last else None,
+            logprobs=[TokenLogprobs(t, -0.5, []) for t in ids],
+        )
         for i, (ids, text) in enumerate(STEPS)
-    ]  # fmt: skip
+    ]
 
 
 def groupings(n: int):

@@ -5,8 +5,8 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, normalizers, processors, trainers
 
+from pdserve.core.errors import InvalidRequestError, ModelLoadError
 from pdserve.engine.demo_model import BOS_TOKEN_ID, EOS_TOKEN_ID, demo_corpus, write_demo_model
-from pdserve.engine.errors import InvalidRequestError, ModelLoadError
 from pdserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 MULTIBYTE_TEXT = "Prefill then decode: héllo 世界 🙂, naïve café ∑ 𝔘 — done."

@@ -44,10 +44,23 @@ def test_up_serves_a_generate_and_sigterm_leaves_nothing_behind(demo_model_dir, 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("REDIS_URL", None)  # its own private Redis, stopped with it
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve", "up", "--model", str(demo_model_dir), "--port",
-         str(port), "--run-dir", str(tmp_path / "run")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pdserve",
+            "up",
+            "--model",
+            str(demo_model_dir),
+            "--port",
+            str(port),
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         output = []
         deadline = time.monotonic() + 120

@@ -53,8 +53,7 @@ def _add_serve(subcommands: argparse._SubParsersAction) -> None:
     cmd.add_argument("--host", default="127.0.0.1")
     cmd.add_argument("--port", type=int, default=0, help="0 picks a free port (printed)")
     cmd.add_argument("--device", default="auto", help="cpu, cuda[:N] or auto (cuda if present)")
-    cmd.add_argument("--dtype", default="float32",
-                     choices=["float32", "bfloat16", "float16"])  # fmt: skip
+    cmd.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     cmd.add_argument("--threads", type=int, default=None, help="torch threads")
     cmd.add_argument("--block-size", type=int, default=16)
     cmd.add_argument("--num-kv-blocks", type=int, default=None)
@@ -113,7 +112,7 @@ def _add_router(subcommands: argparse._SubParsersAction) -> None:
         help="decode workers send tokens once this many wait (the first and last at once); "
         "more: less router CPU per token, burstier streams",
     )
-    cmd.set_defaults(run=_run_router)  # fmt: skip
+    cmd.set_defaults(run=_run_router)
 
 
 def _split(addresses: str) -> list[str]:

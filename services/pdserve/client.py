@@ -21,10 +21,9 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from pdserve.api.v1 import router_pb2, router_pb2_grpc
-from pdserve.engine.outputs import TokenLogprobs
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.state.registry import WorkerInfo
-from pdserve.wire import FINISH_REASON_NAMES, logprobs_from_proto, sampling_params_to_proto
+from pdserve.core.sampling_params import SamplingParams, TokenLogprobs
+from pdserve.core.workers import WorkerInfo
+from pdserve.rpc.wire import FINISH_REASON_NAMES, logprobs_from_proto, sampling_params_to_proto
 
 __all__ = [
     "AsyncClient",

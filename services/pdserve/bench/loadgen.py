@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from pdserve.bench.workload import PlannedRequest
 from pdserve.client import AsyncClient, PdserveError
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.core.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

@@ -111,12 +111,16 @@ def summarize(rate: float, results: Sequence[RequestResult], slo: SLO) -> RateSu
         request_throughput=len(done) / window if window else 0.0,
         output_throughput=tokens / window if window else 0.0,
         slo_attainment=slo_attainment(results, slo),
-        by_kind={} if len(kinds) < 2 else {
-            kind: {"ttft": Stats.of(r.ttft for r in done if r.kind == kind),
-                   "tpot": _tpot(r for r in done if r.kind == kind)}
+        by_kind={}
+        if len(kinds) < 2
+        else {
+            kind: {
+                "ttft": Stats.of(r.ttft for r in done if r.kind == kind),
+                "tpot": _tpot(r for r in done if r.kind == kind),
+            }
             for kind in kinds
         },
-    )  # fmt: skip
+    )
 
 
 def slo_attainment(results: Sequence[RequestResult], slo: SLO) -> float:

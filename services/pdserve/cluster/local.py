@@ -89,25 +89,49 @@ class LocalCluster:
     def _start(self) -> None:
         self.redis = self.redis or self._stack.enter_context(redis_url())
         self.on_progress(f"redis at {self.redis}")
-        roles = (["prefill"] * self.shape.prefill + ["decode"] * self.shape.decode
-                 + ["both"] * self.shape.colocated)  # fmt: skip
+        roles = (
+            ["prefill"] * self.shape.prefill
+            + ["decode"] * self.shape.decode
+            + ["both"] * self.shape.colocated
+        )
         workers = [self._spawn_worker(role, i) for i, role in enumerate(roles)]
         self.children.extend(workers)
         with ThreadPoolExecutor(max_workers=len(workers)) as pool:
             for child in pool.map(wait_ready, workers):
                 self.on_progress(f"{child.name} ready at {child.address}")
-        self.router = spawn("router", [
-            "router", "--model", self.model, "--redis-url", self.redis,
-            "--port", str(self.router_port), *self.router_args,
-        ], str(self.run_dir))  # fmt: skip
+        self.router = spawn(
+            "router",
+            [
+                "router",
+                "--model",
+                self.model,
+                "--redis-url",
+                self.redis,
+                "--port",
+                str(self.router_port),
+                *self.router_args,
+            ],
+            str(self.run_dir),
+        )
         self.children.append(self.router)
         wait_ready(self.router)
         self.on_progress(f"router ready at {self.router.address}")
         self._wait_registered(len(workers))
 
     def _spawn_worker(self, role: str, index: int) -> ChildProcess:
-        args = ["serve", role, "--model", self.model, "--port", "0", "--threads",
-                str(self.threads), "--redis-url", self.redis, *self.worker_args]  # fmt: skip
+        args = [
+            "serve",
+            role,
+            "--model",
+            self.model,
+            "--port",
+            "0",
+            "--threads",
+            str(self.threads),
+            "--redis-url",
+            self.redis,
+            *self.worker_args,
+        ]
         name = f"{'colocated' if role == 'both' else role}-{index}"
         self.on_progress(f"starting {name} (loading the model)")
         return spawn(name, args, str(self.run_dir))

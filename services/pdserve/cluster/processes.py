@@ -56,9 +56,12 @@ def spawn(name: str, args: list[str], log_dir: str, env: dict[str, str] | None =
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdserve", *args],
-            stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        )  # fmt: skip
+        )
     return ChildProcess(name, proc, log_path)
 
 

@@ -16,7 +16,7 @@ from typing import TextIO
 
 from pdserve.client import Client, Completion, PdserveError
 from pdserve.commands import EXIT_INTERRUPTED, add_router_argument, fail, router_address
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.core.sampling_params import SamplingParams
 
 # flags that map one-to-one onto SamplingParams fields; unset ones keep the engine's default
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")

@@ -17,7 +17,8 @@ from redis.exceptions import RedisError
 
 from pdserve.client import Client, PdserveError
 from pdserve.commands import add_router_argument, fail, router_address
-from pdserve.state.registry import ROLES, WorkerInfo, WorkerRegistry
+from pdserve.core.workers import ROLES, WorkerInfo
+from pdserve.state.registry import WorkerRegistry
 
 COLUMNS = (
     "ROLE",

@@ -36,7 +36,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         default=[],
         help="extra argument for every `pdserve serve` (repeatable)",
     )
-    cmd.set_defaults(run=run)  # fmt: skip
+    cmd.set_defaults(run=run)
 
 
 def demo_model_dir() -> Path:
@@ -47,8 +47,11 @@ def demo_model_dir() -> Path:
 def _shape(args: argparse.Namespace) -> ClusterShape:
     if args.colocated and args.prefill is None and args.decode is None:
         return ClusterShape(prefill=0, decode=0, colocated=args.colocated)
-    return ClusterShape(args.prefill if args.prefill is not None else 1,
-                        args.decode if args.decode is not None else 1, args.colocated)  # fmt: skip
+    return ClusterShape(
+        args.prefill if args.prefill is not None else 1,
+        args.decode if args.decode is not None else 1,
+        args.colocated,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,9 +66,15 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    cluster = LocalCluster(model, shape, run_dir, threads=args.threads, router_port=args.port,
-                           worker_args=args.worker_arg,
-                           on_progress=lambda m: console.print(f"  [dim]•[/dim] {m}"))  # fmt: skip
+    cluster = LocalCluster(
+        model,
+        shape,
+        run_dir,
+        threads=args.threads,
+        router_port=args.port,
+        worker_args=args.worker_arg,
+        on_progress=lambda m: console.print(f"  [dim]•[/dim] {m}"),
+    )
     console.print(f"pdserve up: {shape} on {model}; logs in {run_dir}")
     try:
         with console.status("starting the cluster..."):

@@ -12,7 +12,7 @@ import importlib
 _EXPORTS = {
     "LLMEngine": "pdserve.engine.llm_engine",
     "RequestOutput": "pdserve.engine.outputs",
-    "SamplingParams": "pdserve.engine.sampling_params",
+    "SamplingParams": "pdserve.core.sampling_params",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -77,8 +77,9 @@ def paged_attention(
             keys, values = k[rows], v[rows]
         else:
             keys, values = layer_cache.index_select(1, span.key_slots).unbind(0)
-        out[rows] = _sdpa(q[rows].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                          span.mask, scale)[0]  # fmt: skip
+        out[rows] = _sdpa(
+            q[rows].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), span.mask, scale
+        )[0]
     batch = meta.decode
     if batch is not None:
         rows = slice(batch.token_start, batch.token_start + batch.num_seqs)
@@ -100,8 +101,9 @@ def _decode_sdpa(q, k, v, mask, scale):
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     q = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask, scale=scale)  # fmt: skip
+    out = F.scaled_dot_product_attention(
+        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
+    )
     return out.view(num_seqs, num_heads, head_dim)
 
 
@@ -109,7 +111,12 @@ def _sdpa(q, k, v, mask, scale):
     """q: [B, Lq, H, D], k/v: [B, Lk, KVH, D] -> [B, Lq, H, D]."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+        q,
+        k,
+        v,
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
-    )  # fmt: skip
+    )
     return out.transpose(1, 2)

@@ -8,33 +8,16 @@ prefix cache, evicted least recently freed first.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import struct
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdserve.core.block_hash import hash_block_tokens, num_blocks_for
 from pdserve.engine.request import Request
-
-BLOCK_HASH_BYTES = 16
 
 
 class BlockAccountingError(RuntimeError):
     """The caller broke the manager's bookkeeping (a bug, never a user error)."""
-
-
-def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """Hash one full block, chained to the hash of the block before it (None for the first).
-
-    Stable across processes and machines (int32 little-endian, no Python `hash`), because
-    routers compare these hashes between workers.
-    """
-    digest = hashlib.blake2b(digest_size=BLOCK_HASH_BYTES)
-    if parent_hash is not None:
-        digest.update(parent_hash)
-    digest.update(struct.pack(f"<{len(token_ids)}i", *token_ids))
-    return digest.digest()
 
 
 @dataclass(slots=True)
@@ -82,7 +65,7 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return num_blocks_for(num_tokens, self.block_size)
 
     def cached_block_hashes(self) -> set[bytes]:
         return set(self._cached_blocks)

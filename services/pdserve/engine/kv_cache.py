@@ -9,34 +9,16 @@ streams them layer by layer). Bytes are the tensor's own memory: never pickle.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.config import CUDA_KV_CACHE_FRACTION, DEFAULT_CPU_KV_CACHE_BYTES, ModelConfig
-from pdserve.engine.errors import KVChunkError
-from pdserve.kv.checksum import crc32
+from pdserve.core.errors import KVChecksumError, KVChunkError
+from pdserve.core.kv_chunk import KVLayerChunk, crc32
+from pdserve.core.model_config import ModelConfig
+from pdserve.engine.config import CUDA_KV_CACHE_FRACTION, DEFAULT_CPU_KV_CACHE_BYTES
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _DTYPES = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
-
-
-@dataclass(frozen=True, slots=True)
-class KVLayerChunk:
-    """K and V of some blocks of one layer: ``data`` holds a ``shape`` tensor of ``dtype``.
-
-    shape = (2, num_blocks, block_size, num_kv_heads, head_dim).
-    """
-
-    layer: int
-    dtype: str
-    shape: tuple[int, ...]
-    data: bytes
-    checksum: int  # crc32 of data
-
-    @property
-    def num_blocks(self) -> int:
-        return self.shape[1]
 
 
 class KVCache:
@@ -48,8 +30,9 @@ class KVCache:
             (model.num_layers, 2, num_blocks, *self.block_shape), dtype=dtype, device=device
         )
         # The same memory seen as flat token slots, which attention indexes.
-        self.slots = self.blocks.view(model.num_layers, 2, num_blocks * block_size,
-                                      *self.block_shape[1:])  # fmt: skip
+        self.slots = self.blocks.view(
+            model.num_layers, 2, num_blocks * block_size, *self.block_shape[1:]
+        )
 
     @staticmethod
     def block_bytes(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -70,8 +53,7 @@ class KVCache:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         tensor = self.blocks[layer].index_select(1, index).cpu().contiguous()
         data = tensor.view(torch.uint8).numpy().tobytes()
-        return KVLayerChunk(layer, _DTYPE_NAMES[self.dtype], tuple(tensor.shape), data,
-                            crc32(data))  # fmt: skip
+        return KVLayerChunk(layer, _DTYPE_NAMES[self.dtype], tuple(tensor.shape), data, crc32(data))
 
     def import_layer(self, chunk: KVLayerChunk, block_ids: list[int]) -> None:
         """Write a chunk into our blocks ``block_ids`` (as many as the chunk holds)."""
@@ -88,7 +70,7 @@ class KVCache:
                 f"expected {expected_bytes}"
             )
         if crc32(chunk.data) != chunk.checksum:
-            raise KVChunkError(f"KV chunk of layer {chunk.layer} fails its checksum", corrupt=True)
+            raise KVChecksumError(f"KV chunk of layer {chunk.layer} fails its checksum")
         flat = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8)
         tensor = flat.view(_DTYPES[chunk.dtype]).view(expected).to(self.device)
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)

@@ -12,19 +12,21 @@ from pathlib import Path
 
 import torch
 
+from pdserve.core.block_hash import num_blocks_for
+from pdserve.core.errors import InvalidRequestError, KVCapacityError, UnknownRequestError
+from pdserve.core.kv_chunk import KVLayerChunk
+from pdserve.core.model_config import ModelConfig
+from pdserve.core.sampling_params import SamplingParams, check_prompt_token_ids, check_request
 from pdserve.engine.block_manager import BlockManager
-from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.errors import InvalidRequestError, KVCapacityError, UnknownRequestError
-from pdserve.engine.kv_cache import KVCache, KVLayerChunk
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import OutputProcessor, RequestOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.validation import check_prompt_token_ids, check_request
 
 Prompt = str | Sequence[int]
 # (layer index, the step's plan) -> None
@@ -45,16 +47,22 @@ class LLMEngine:
         )
         self.device = torch.device(config.device)
         self.tokenizer = Tokenizer.from_dir(config.model)
-        model = load_model(config.model, self.model_config, self.max_model_len,
-                           self.device, config.torch_dtype)  # fmt: skip
+        model = load_model(
+            config.model, self.model_config, self.max_model_len, self.device, config.torch_dtype
+        )
         num_blocks = config.num_kv_blocks or KVCache.num_blocks_for(
-            self.model_config, config.block_size, config.torch_dtype, self.device,
+            self.model_config,
+            config.block_size,
+            config.torch_dtype,
+            self.device,
             config.kv_cache_bytes,
-        )  # fmt: skip
-        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size,
-                                config.torch_dtype, self.device)  # fmt: skip
-        self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          config.enable_prefix_caching)  # fmt: skip
+        )
+        self.kv_cache = KVCache(
+            self.model_config, num_blocks, config.block_size, config.torch_dtype, self.device
+        )
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -96,8 +104,13 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         prompt_ids = self._prompt_token_ids(prompt)
         self._validate(prompt_ids, params)
-        request = Request(request_id, prompt_ids, replace(params), self.eos_token_ids,
-                          arrival_time=time.monotonic())  # fmt: skip
+        request = Request(
+            request_id,
+            prompt_ids,
+            replace(params),
+            self.eos_token_ids,
+            arrival_time=time.monotonic(),
+        )
         with self._state_lock:
             if self.scheduler.get_request(request_id) is not None:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already running")
@@ -136,8 +149,9 @@ class LLMEngine:
         sampled, sampler_out = self.runner.execute(plan, callback)
         tokens, logprobs = {}, {}
         if sampler_out is not None:
-            for s, token, lp in zip(sampled, sampler_out.token_ids, sampler_out.logprobs,
-                                    strict=True):  # fmt: skip
+            for s, token, lp in zip(
+                sampled, sampler_out.token_ids, sampler_out.logprobs, strict=True
+            ):
                 tokens[s.request.request_id], logprobs[s.request.request_id] = token, lp
         with self._state_lock:
             advanced = self.scheduler.update_from_output(plan, tokens)
@@ -207,8 +221,13 @@ class LLMEngine:
         """
         prompt_ids = self._prompt_token_ids(list(prompt_token_ids))
         self._validate(prompt_ids, params)
-        request = Request(request_id, prompt_ids, replace(params), self.eos_token_ids,
-                          arrival_time=time.monotonic())  # fmt: skip
+        request = Request(
+            request_id,
+            prompt_ids,
+            replace(params),
+            self.eos_token_ids,
+            arrival_time=time.monotonic(),
+        )
         with self._state_lock:
             if request_id in self._reserved or self.scheduler.get_request(request_id) is not None:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
@@ -260,7 +279,7 @@ class LLMEngine:
         return request
 
     def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.config.block_size)
+        return num_blocks_for(num_tokens, self.config.block_size)
 
     # -- helpers --------------------------------------------------------------------------
 

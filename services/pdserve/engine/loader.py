@@ -7,52 +7,34 @@ q/k/v_proj -> qkv_proj (concatenated in that order) and gate/up_proj -> gate_up_
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pdserve.engine.config import ModelConfig
-from pdserve.engine.errors import ModelLoadError
+from pdserve.core.checkpoint import weight_files
+from pdserve.core.errors import ModelLoadError
+from pdserve.core.model_config import ModelConfig
 from pdserve.engine.models import LlamaFamilyModel
 from pdserve.engine.models.cpu_linear import can_prepack, prepack_linears
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 # Our per-layer parameter -> the Hugging Face tensors it is built from
 # (concatenated along dim 0 when there are several).
 _LAYER_SOURCES = {
-    "qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                        "self_attn.v_proj.weight"),
+    "qkv_proj.weight": (
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+    ),
     "qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "o_proj.weight": ("self_attn.o_proj.weight",),
     "gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "down_proj.weight": ("mlp.down_proj.weight",),
     "input_layernorm.weight": ("input_layernorm.weight",),
     "post_attention_layernorm.weight": ("post_attention_layernorm.weight",),
-}  # fmt: skip
-
-
-def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a checkpoint, or ModelLoadError naming what is missing."""
-    single = model_dir / SINGLE_FILE
-    if single.is_file():
-        return [single]
-    index = model_dir / INDEX_FILE
-    if not index.is_file():
-        raise ModelLoadError(f"{model_dir}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ModelLoadError(f"{index}: field 'weight_map' missing or malformed") from exc
-    files = [model_dir / name for name in sorted(set(weight_map.values()))]
-    for path in files:
-        if not path.is_file():
-            raise ModelLoadError(f"{path}: listed in {INDEX_FILE} but missing")
-    return files
+}
 
 
 class _Checkpoint:

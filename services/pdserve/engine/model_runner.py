@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.core.block_hash import num_blocks_for
 from pdserve.engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.models.llama import LayerDoneCallback, LlamaFamilyModel
@@ -40,8 +41,9 @@ class ModelRunner:
     ) -> tuple[list[ScheduledRequest], SamplerOutput | None]:
         """Run one step; return the requests that got a token and the sampler's output."""
         inputs = self.prepare(plan)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache.slots,
-                            inputs.meta, on_layer_done)  # fmt: skip
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_cache.slots, inputs.meta, on_layer_done
+        )
         if not inputs.sampled:
             return [], None
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
@@ -56,8 +58,9 @@ class ModelRunner:
             request, pos = s.request, s.start
             input_ids.append(request.token_ids[pos])
             positions.append(pos)
-            slots.append(request.block_ids[pos // self.block_size] * self.block_size
-                         + pos % self.block_size)  # fmt: skip
+            slots.append(
+                request.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+            )
             sample_rows.append(len(sample_rows))
             sampled.append(s)
         spans = []
@@ -76,8 +79,13 @@ class ModelRunner:
             prefills=spans,
             decode=self._decode_batch(decodes) if decodes else None,
         )
-        return StepInputs(self._tensor(input_ids), self._tensor(positions), meta,
-                          self._tensor(sample_rows), sampled)  # fmt: skip
+        return StepInputs(
+            self._tensor(input_ids),
+            self._tensor(positions),
+            meta,
+            self._tensor(sample_rows),
+            sampled,
+        )
 
     def _tensor(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
@@ -105,7 +113,7 @@ class ModelRunner:
     def _decode_batch(self, decodes: list[ScheduledRequest]) -> DecodeBatch:
         context_lens = [s.start + 1 for s in decodes]
         max_context = max(context_lens)
-        max_blocks = -(-max_context // self.block_size)
+        max_blocks = num_blocks_for(max_context, self.block_size)
         # [num_seqs * max_blocks], sequence by sequence; short rows padded with block 0
         table = []
         for s in decodes:

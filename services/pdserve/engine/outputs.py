@@ -5,15 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdserve.core.sampling_params import TokenLogprobs
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float  # of token_id under the raw distribution
-    top: list[tuple[int, float]]  # params.logprobs (token_id, logprob) pairs, best first
 
 
 @dataclass(slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

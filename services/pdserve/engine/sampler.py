@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.outputs import TokenLogprobs
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.core.sampling_params import SamplingParams, TokenLogprobs
 
 
 @dataclass(slots=True)

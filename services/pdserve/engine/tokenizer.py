@@ -13,7 +13,7 @@ from pathlib import Path
 
 import tokenizers
 
-from pdserve.engine.errors import InvalidRequestError, ModelLoadError
+from pdserve.core.errors import InvalidRequestError, ModelLoadError
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"

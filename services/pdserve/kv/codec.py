@@ -15,8 +15,7 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from pdserve.api.v1 import kv_transfer_pb2
-from pdserve.engine.kv_cache import KVLayerChunk
-from pdserve.kv.checksum import crc32
+from pdserve.core.kv_chunk import KVLayerChunk, crc32
 
 _DATA_FIELD = kv_transfer_pb2.KVChunk.DESCRIPTOR.fields_by_name["data"].number
 _WIRE_VARINT, _WIRE_I64, _WIRE_LEN, _WIRE_I32 = 0, 1, 2, 5
@@ -54,9 +53,13 @@ def encode_message(
     """
     parts = (chunk.data,) if parts is None else parts
     header = kv_transfer_pb2.KVChunk(
-        lease_id=lease_id, layer=chunk.layer, first_block=first_block, dtype=chunk.dtype,
-        shape=chunk.shape, crc32=chunk.checksum,
-    ).SerializeToString()  # fmt: skip
+        lease_id=lease_id,
+        layer=chunk.layer,
+        first_block=first_block,
+        dtype=chunk.dtype,
+        shape=chunk.shape,
+        crc32=chunk.checksum,
+    ).SerializeToString()
     size = sum(len(part) for part in parts)
     return b"".join((header, _DATA_TAG, encode_varint(size), *parts))
 
@@ -90,9 +93,12 @@ def split_messages(
         k = data[start * block_bytes : stop * block_bytes]
         v = data[v_start + start * block_bytes : v_start + stop * block_bytes]
         piece = KVLayerChunk(
-            chunk.layer, chunk.dtype, (2, stop - start, *chunk.shape[2:]), b"",
+            chunk.layer,
+            chunk.dtype,
+            (2, stop - start, *chunk.shape[2:]),
+            b"",
             crc32(v, crc32(k)),
-        )  # fmt: skip
+        )
         yield encode_message(lease_id, first_block + start, piece, (k, v))
 
 
@@ -104,14 +110,16 @@ def decode_message(buffer: bytes) -> ReceivedChunk:
         return from_proto(kv_transfer_pb2.KVChunk.FromString(buffer))
     tag_start, data_start, data_end = span
     header = kv_transfer_pb2.KVChunk.FromString(bytes(view[:tag_start]) + bytes(view[data_end:]))
-    chunk = KVLayerChunk(header.layer, header.dtype, tuple(header.shape),
-                         view[data_start:data_end], header.crc32)  # fmt: skip
+    chunk = KVLayerChunk(
+        header.layer, header.dtype, tuple(header.shape), view[data_start:data_end], header.crc32
+    )
     return ReceivedChunk(header.lease_id, header.first_block, chunk)
 
 
 def from_proto(message: kv_transfer_pb2.KVChunk) -> ReceivedChunk:
-    chunk = KVLayerChunk(message.layer, message.dtype, tuple(message.shape), message.data,
-                         message.crc32)  # fmt: skip
+    chunk = KVLayerChunk(
+        message.layer, message.dtype, tuple(message.shape), message.data, message.crc32
+    )
     return ReceivedChunk(message.lease_id, message.first_block, chunk)
 
 

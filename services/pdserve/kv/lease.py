@@ -12,6 +12,13 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
+from pdserve.core.errors import (
+    LeaseExpiredError,
+    LeaseIncompleteError,
+    LeaseNotFoundError,
+    LeaseRangeError,
+)
+
 
 class LeaseState(enum.Enum):
     OPEN = "open"  # waiting for KV chunks
@@ -19,14 +26,6 @@ class LeaseState(enum.Enum):
     EXPIRED = "expired"
     RELEASED = "released"
     FAILED = "failed"
-
-
-class LeaseError(Exception):
-    """A chunk or call names a lease it may not use. `kind` picks the status code."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind  # "not_found" | "expired" | "invalid" | "incomplete" | "aborted"
 
 
 @dataclass
@@ -77,16 +76,16 @@ class LeaseTable:
     def get(self, lease_id: str) -> Lease:
         lease = self._leases.get(lease_id)
         if lease is None:
-            raise LeaseError("not_found", "unknown lease (never issued, or already closed)")
+            raise LeaseNotFoundError("unknown lease (never issued, or already closed)")
         return lease
 
     def open_lease(self, lease_id: str) -> Lease:
         """The lease if chunks may still go into it, else LeaseError."""
         lease = self.get(lease_id)
         if lease.state is not LeaseState.OPEN:
-            raise LeaseError("not_found", f"lease is {lease.state.value}, not open")
+            raise LeaseNotFoundError(f"lease is {lease.state.value}, not open")
         if self._clock() > lease.deadline:
-            raise LeaseError("expired", "lease deadline passed before its KV arrived")
+            raise LeaseExpiredError("lease deadline passed before its KV arrived")
         return lease
 
     def renew(self, lease_id: str) -> Lease:
@@ -103,18 +102,18 @@ class LeaseTable:
         """The open lease a chunk may be written into, or LeaseError saying why not."""
         lease = self.open_lease(lease_id)
         if not 0 <= layer < lease.num_layers:
-            raise LeaseError("invalid", f"layer {layer} outside [0, {lease.num_layers})")
+            raise LeaseRangeError(f"layer {layer} outside [0, {lease.num_layers})")
         if num_blocks < 1 or first_block < 0 or first_block + num_blocks > lease.num_blocks:
-            raise LeaseError(
-                "invalid",
+            raise LeaseRangeError(
                 f"blocks [{first_block}, {first_block + num_blocks}) outside the lease's "
                 f"{lease.num_blocks}",
             )
         return lease
 
     @staticmethod
-    def mark_received(lease: Lease, layer: int, first_block: int, num_blocks: int,
-                      num_bytes: int) -> None:  # fmt: skip
+    def mark_received(
+        lease: Lease, layer: int, first_block: int, num_blocks: int, num_bytes: int
+    ) -> None:
         """Record a chunk written into the lease's blocks (after `check_chunk` and the write)."""
         lease.received[layer][first_block : first_block + num_blocks] = b"\x01" * num_blocks
         lease.bytes_received += num_bytes
@@ -123,7 +122,7 @@ class LeaseTable:
         lease = self.open_lease(lease_id)
         if not lease.is_complete:
             missing = sum(layer.count(0) for layer in lease.received)
-            raise LeaseError("incomplete", f"{missing} layer-blocks of KV not received")
+            raise LeaseIncompleteError(f"{missing} layer-blocks of KV not received")
         lease.state = LeaseState.COMMITTED
         return lease
 

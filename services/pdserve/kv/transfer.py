@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.api.v1 import kv_transfer_pb2
-from pdserve.engine.kv_cache import KVLayerChunk
-from pdserve.kv.checksum import crc32
+from pdserve.core.errors import KVChecksumError
+from pdserve.core.kv_chunk import KVLayerChunk, crc32
 from pdserve.kv.codec import (
     HEADER_ALLOWANCE_BYTES,
     ReceivedChunk,
@@ -81,17 +81,6 @@ class KVPushError(Exception):
     def __init__(self, lease_id: str, code: grpc.StatusCode, details: str | None):
         super().__init__(f"PushKV of lease {lease_id!r} failed: {code.name}: {details}")
         self.lease_id, self.code, self.details = lease_id, code, details
-
-
-class KVChecksumError(ValueError):
-    """A received KV chunk's bytes do not match its crc32."""
-
-    def __init__(self, lease_id: str, layer: int, first_block: int):
-        super().__init__(
-            f"KV chunk of lease {lease_id!r}, layer {layer}, first block {first_block} "
-            "fails its crc32"
-        )
-        self.lease_id, self.layer, self.first_block = lease_id, layer, first_block
 
 
 class KVPusher:
@@ -288,7 +277,10 @@ async def receive_push(request_iterator, on_chunk: OnChunk) -> kv_transfer_pb2.P
             # Inline: on_chunk (the cache import) runs on the loop anyway, and handing the
             # crc to an executor thread cost more CPU than it saved on the 2-core benchmark.
             if crc32(chunk.data) != chunk.checksum:
-                raise KVChecksumError(lease_id, chunk.layer, first_block)
+                raise KVChecksumError(
+                    f"KV chunk of lease {lease_id!r}, layer {chunk.layer}, first block "
+                    f"{first_block} fails its crc32"
+                )
             on_chunk(lease_id, first_block, chunk)
         except Exception as exc:  # noqa: BLE001 - raised below, after the sender is done
             failure = exc
@@ -309,21 +301,24 @@ def add_kv_transfer_servicer(servicer, server) -> None:
     pb = kv_transfer_pb2
     handlers = {
         "Handshake": grpc.unary_unary_rpc_method_handler(
-            servicer.Handshake, pb.HandshakeRequest.FromString,
+            servicer.Handshake,
+            pb.HandshakeRequest.FromString,
             pb.HandshakeResponse.SerializeToString,
         ),
         "PushKV": grpc.stream_unary_rpc_method_handler(
             servicer.PushKV, decode_message, pb.PushKVResult.SerializeToString
         ),
         "CommitKV": grpc.unary_unary_rpc_method_handler(
-            servicer.CommitKV, pb.CommitKVRequest.FromString,
+            servicer.CommitKV,
+            pb.CommitKVRequest.FromString,
             pb.CommitKVResponse.SerializeToString,
         ),
         "RenewLease": grpc.unary_unary_rpc_method_handler(
-            servicer.RenewLease, pb.RenewLeaseRequest.FromString,
+            servicer.RenewLease,
+            pb.RenewLeaseRequest.FromString,
             pb.RenewLeaseResponse.SerializeToString,
         ),
-    }  # fmt: skip
+    }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),)
     )

@@ -32,7 +32,8 @@ from kubernetes.watch import Watch
 from redis.exceptions import RedisError
 
 from pdserve.api.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from pdserve.state.registry import WorkerInfo, WorkerRegistry
+from pdserve.core.workers import WorkerInfo
+from pdserve.state.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
 
@@ -378,8 +379,14 @@ class EndpointSliceWatch:
     version (410 Gone) list again. Every change of the address set goes to `on_change`.
     """
 
-    def __init__(self, api: k8s.DiscoveryV1Api, namespace: str, service: str,
-                 port_name: str, timeouts: WatchTimeouts):  # fmt: skip
+    def __init__(
+        self,
+        api: k8s.DiscoveryV1Api,
+        namespace: str,
+        service: str,
+        port_name: str,
+        timeouts: WatchTimeouts,
+    ):
         self.api, self.namespace, self.service = api, namespace, service
         self.port_name, self.timeouts = port_name, timeouts
         self.stopping = threading.Event()
@@ -414,8 +421,13 @@ class EndpointSliceWatch:
     def _back_off(self, exc: Exception) -> None:
         if self.stopping.is_set():
             return  # interrupt() broke the connection on purpose
-        log.warning("watching EndpointSlices of %s/%s failed, retrying in %ss: %r",
-                    self.namespace, self.service, self.timeouts.retry_backoff_s, exc)  # fmt: skip
+        log.warning(
+            "watching EndpointSlices of %s/%s failed, retrying in %ss: %r",
+            self.namespace,
+            self.service,
+            self.timeouts.retry_backoff_s,
+            exc,
+        )
         self.stopping.wait(self.timeouts.retry_backoff_s)
 
     def _list(self, on_change) -> str:
@@ -495,8 +507,10 @@ class KubernetesDiscovery:
         self.timeouts = timeouts or WatchTimeouts()
         self._roles = {prefill_service: "prefill"}
         self._roles[decode_service] = "both" if decode_service == prefill_service else "decode"
-        self._watches = [EndpointSliceWatch(api, namespace, service, port_name, self.timeouts)
-                         for service in self._roles]  # fmt: skip
+        self._watches = [
+            EndpointSliceWatch(api, namespace, service, port_name, self.timeouts)
+            for service in self._roles
+        ]
         self._addresses: dict[str, frozenset[str]] = {}  # service -> ready addresses
         self._synced = asyncio.Event()  # every Service has been listed once
         self._threads: list[asyncio.Future] = []
@@ -509,8 +523,9 @@ class KubernetesDiscovery:
         def on_change(service: str, addresses: frozenset[str]) -> None:
             loop.call_soon_threadsafe(self._set_addresses, service, addresses)
 
-        self._threads = [asyncio.ensure_future(asyncio.to_thread(w.run, on_change))
-                         for w in self._watches]  # fmt: skip
+        self._threads = [
+            asyncio.ensure_future(asyncio.to_thread(w.run, on_change)) for w in self._watches
+        ]
         try:
             await asyncio.wait_for(self._synced.wait(), self.timeouts.request_s)
         except TimeoutError:

@@ -20,7 +20,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
-from pdserve.state.registry import WorkerInfo
+from pdserve.core.workers import WorkerInfo
 
 # a heartbeat interval (1 s) plus a discovery refresh (0.5 s), with room to spare
 DEFAULT_HORIZON_S = 3.0
@@ -65,8 +65,9 @@ class _Sent:
 class RecentDispatches:
     """Dispatches per worker address, for ``adjust`` to add onto load snapshots."""
 
-    def __init__(self, horizon_s: float = DEFAULT_HORIZON_S,
-                 clock: Callable[[], float] = time.time):  # fmt: skip
+    def __init__(
+        self, horizon_s: float = DEFAULT_HORIZON_S, clock: Callable[[], float] = time.time
+    ):
         if horizon_s <= 0:
             raise ValueError(f"horizon_s must be > 0, got {horizon_s}")
         self.horizon_s, self._clock = horizon_s, clock
@@ -95,8 +96,9 @@ class RecentDispatches:
                 count, blocks = sent.since(worker.updated_at)
                 if count:
                     worker = dataclasses.replace(
-                        worker, waiting=worker.waiting + count,
+                        worker,
+                        waiting=worker.waiting + count,
                         free_blocks=worker.free_blocks - blocks,
-                    )  # fmt: skip
+                    )
             adjusted.append(worker)
         return adjusted

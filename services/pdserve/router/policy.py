@@ -14,31 +14,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from pdserve.engine.block_manager import hash_block_tokens
+from pdserve.core.block_hash import prompt_block_hashes  # noqa: F401
 
 if TYPE_CHECKING:
-    from pdserve.state.registry import WorkerInfo
+    from pdserve.core.workers import WorkerInfo
 
 # one queued request (running or waiting) on a prefill worker weighs as much as this many
 # cached prompt tokens: a typical prompt's prefill, which it has to wait for
 DEFAULT_LOAD_WEIGHT = 256.0
-
-
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[str]:
-    """Hex chained hashes of the prompt blocks a worker's prefix cache could serve.
-
-    Exactly what `BlockManager.get_computed_blocks` looks up: full blocks only, and never
-    the block holding the last token (the model must compute it to get the next token's
-    logits), so `(len(token_ids) - 1) // block_size` hashes.
-    """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    hashes: list[str] = []
-    parent_hash: bytes | None = None
-    for start in range(0, (len(token_ids) - 1) // block_size * block_size, block_size):
-        parent_hash = hash_block_tokens(parent_hash, token_ids[start : start + block_size])
-        hashes.append(parent_hash.hex())
-    return hashes
 
 
 class CachedHashSets:

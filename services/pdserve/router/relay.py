@@ -33,8 +33,15 @@ class RelayStream:
     request prefills) deltas wait here. `cancel()` stops early.
     """
 
-    __slots__ = ("_connection", "stream_id", "_waiting", "_consumer", "_over", "_ended",
-                 "_deadline")  # fmt: skip
+    __slots__ = (
+        "_connection",
+        "stream_id",
+        "_waiting",
+        "_consumer",
+        "_over",
+        "_ended",
+        "_deadline",
+    )
 
     def __init__(self, connection: _RelayConnection, stream_id: int, timeout: float | None):
         self._connection, self.stream_id = connection, stream_id
@@ -102,8 +109,9 @@ class RelayStream:
 class _RelayConnection:
     """One Relay call: commands go out through an outbox, batches are sorted by stream."""
 
-    def __init__(self, stub: decode_pb2_grpc.DecodeStub,
-                 on_closed: Callable[[_RelayConnection], None]):  # fmt: skip
+    def __init__(
+        self, stub: decode_pb2_grpc.DecodeStub, on_closed: Callable[[_RelayConnection], None]
+    ):
         self._on_closed = on_closed
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._streams: dict[int, RelayStream] = {}
@@ -170,8 +178,9 @@ class DecodeRelays:
         self._channel_for = channel_for  # address -> grpc.aio.Channel
         self._connections: dict[str, _RelayConnection] = {}
 
-    def open(self, address: str, attach: decode_pb2.RelayAttach,
-             timeout: float | None = None) -> RelayStream:  # fmt: skip
+    def open(
+        self, address: str, attach: decode_pb2.RelayAttach, timeout: float | None = None
+    ) -> RelayStream:
         """Attach a request (a lease, or a colocated generation) to `address`'s call."""
         connection = self._connections.get(address)
         if connection is None or not connection.open:

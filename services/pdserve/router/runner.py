@@ -24,31 +24,27 @@ from pdserve.api.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from pdserve.engine.errors import KVCapacityError
+from pdserve.core.block_hash import num_blocks_for, prompt_block_hashes
+from pdserve.core.errors import KVCapacityError, UnavailableError
+from pdserve.core.workers import WorkerInfo
 from pdserve.router.discovery import Discovery
 from pdserve.router.dispatches import RecentDispatches
-from pdserve.router.policy import (
-    ColocationRule,
-    DecodePolicy,
-    PrefillPolicy,
-    cached_prefix_blocks,
-    prompt_block_hashes,
-)
+from pdserve.router.policy import ColocationRule, DecodePolicy, PrefillPolicy, cached_prefix_blocks
 from pdserve.router.relay import DecodeRelays
-from pdserve.rpc_errors import UnavailableError
-from pdserve.state.registry import WorkerInfo
-from pdserve.wire import drop_first_tokens
+from pdserve.rpc.wire import drop_first_tokens
 
 log = logging.getLogger(__name__)
 
 # A failed attempt with these codes is retried from the start on other workers.
-RETRYABLE_CODES = frozenset({
-    grpc.StatusCode.UNAVAILABLE,      # worker down or draining
-    grpc.StatusCode.ABORTED,          # KV push broke off (prefill worker died)
-    grpc.StatusCode.FAILED_PRECONDITION,  # lease expired or refused mid-hand-off
-    grpc.StatusCode.CANCELLED,        # a worker shut down under us
-    grpc.StatusCode.INTERNAL,         # a worker's engine step failed
-})  # fmt: skip
+RETRYABLE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,  # worker down or draining
+        grpc.StatusCode.ABORTED,  # KV push broke off (prefill worker died)
+        grpc.StatusCode.FAILED_PRECONDITION,  # lease expired or refused mid-hand-off
+        grpc.StatusCode.CANCELLED,  # a worker shut down under us
+        grpc.StatusCode.INTERNAL,  # a worker's engine step failed
+    }
+)
 FINISHED = common_pb2.FINISH_REASON_UNSPECIFIED
 # Retries wait a random time, growing from 0.05 s up to 0.5 s: spread out, so the retries
 # of the requests one dead worker held do not all arrive at once.
@@ -140,9 +136,14 @@ class RunnerConfig:
 
 
 class RequestRunner:
-    def __init__(self, discovery: Discovery, prefill_policy: PrefillPolicy,
-                 decode_policy: DecodePolicy, channels: ChannelPool,
-                 config: RunnerConfig):  # fmt: skip
+    def __init__(
+        self,
+        discovery: Discovery,
+        prefill_policy: PrefillPolicy,
+        decode_policy: DecodePolicy,
+        channels: ChannelPool,
+        config: RunnerConfig,
+    ):
         self.discovery, self.channels, self.config = discovery, channels, config
         self.prefill_policy, self.decode_policy = prefill_policy, decode_policy
         self.dispatches = RecentDispatches()
@@ -181,7 +182,7 @@ class RequestRunner:
                 await self._attempt(request_id, prompt, sampling, progress, timeout, deliver_new)
 
     async def _attempt(self, request_id, prompt, sampling, progress, timeout, deliver) -> None:
-        blocks_needed = -(-(len(prompt) + sampling.max_tokens) // self.config.block_size)
+        blocks_needed = num_blocks_for(len(prompt) + sampling.max_tokens, self.config.block_size)
         decodes = self.decode_policy.rank(
             self.dispatches.adjust(self.discovery.workers("decode")), blocks_needed
         )
@@ -192,18 +193,26 @@ class RequestRunner:
         cached = cached_prefix_blocks(first_choice, hashes) * self.config.block_size
         if self.config.colocation.should_colocate(len(prompt), cached):
             self.dispatches.record(first_choice.address, blocks_needed)
-            await self._colocated(first_choice, request_id, prompt, sampling, progress, timeout,
-                                  deliver)  # fmt: skip
+            await self._colocated(
+                first_choice, request_id, prompt, sampling, progress, timeout, deliver
+            )
             return
-        decode, lease = await self._admit(decodes, blocks_needed, request_id, prompt, sampling,
-                                          progress, timeout)  # fmt: skip
+        decode, lease = await self._admit(
+            decodes, blocks_needed, request_id, prompt, sampling, progress, timeout
+        )
         # Attached before prefill runs, so that no token waits on us.
-        stream = self.relays.open(decode.address, decode_pb2.RelayAttach(
-            lease_id=lease.lease_id, stream_interval=self.config.stream_interval,
-        ), timeout)  # fmt: skip
+        stream = self.relays.open(
+            decode.address,
+            decode_pb2.RelayAttach(
+                lease_id=lease.lease_id,
+                stream_interval=self.config.stream_interval,
+            ),
+            timeout,
+        )
         try:
-            first = await self._prefill(hashes, request_id, prompt, sampling, decode, lease,
-                                        progress, timeout)  # fmt: skip
+            first = await self._prefill(
+                hashes, request_id, prompt, sampling, decode, lease, progress, timeout
+            )
             deliver(first)
             if first.finish_reason != FINISHED:
                 return
@@ -211,8 +220,16 @@ class RequestRunner:
         finally:
             stream.cancel()  # no-op when it ended; frees the decode side when we stop early
 
-    async def _admit(self, decodes: list[WorkerInfo], blocks_needed: int, request_id, prompt,
-                     sampling, progress, timeout):  # fmt: skip
+    async def _admit(
+        self,
+        decodes: list[WorkerInfo],
+        blocks_needed: int,
+        request_id,
+        prompt,
+        sampling,
+        progress,
+        timeout,
+    ):
         """Admit on the first decode worker with room; RESOURCE_EXHAUSTED moves on."""
         exhausted = 0
         for worker in decodes:
@@ -220,10 +237,17 @@ class RequestRunner:
             # Recorded before the call: requests that arrive while it is in flight must
             # already see this one (a refused one makes a full worker look fuller: harmless).
             self.dispatches.record(worker.address, blocks_needed)
-            admitting = asyncio.ensure_future(stub.Admit(decode_pb2.AdmitRequest(
-                request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                lease_ttl_ms=self.config.lease_ttl_ms,
-            ), timeout=timeout))  # fmt: skip
+            admitting = asyncio.ensure_future(
+                stub.Admit(
+                    decode_pb2.AdmitRequest(
+                        request_id=request_id,
+                        prompt_token_ids=prompt,
+                        sampling=sampling,
+                        lease_ttl_ms=self.config.lease_ttl_ms,
+                    ),
+                    timeout=timeout,
+                )
+            )
             try:
                 lease = await asyncio.shield(admitting)
             except asyncio.CancelledError:
@@ -239,8 +263,9 @@ class RequestRunner:
                     self.discovery.mark_unhealthy(worker.address)
                     continue
                 raise
-            progress.set(phase="prefilling", decode_worker=worker.address,
-                         admitted_at=time.monotonic())  # fmt: skip
+            progress.set(
+                phase="prefilling", decode_worker=worker.address, admitted_at=time.monotonic()
+            )
             return worker, lease
         if exhausted:
             raise KVCapacityError(f"no decode worker has room ({exhausted} full)")
@@ -249,8 +274,10 @@ class RequestRunner:
     def _give_back(self, stub: decode_pb2_grpc.DecodeStub, admitting: asyncio.Future) -> None:
         if admitting.cancelled() or admitting.exception() is not None:
             return
-        release = stub.Release(decode_pb2.ReleaseRequest(lease_id=admitting.result().lease_id),
-                               timeout=RELEASE_TIMEOUT_S)  # fmt: skip
+        release = stub.Release(
+            decode_pb2.ReleaseRequest(lease_id=admitting.result().lease_id),
+            timeout=RELEASE_TIMEOUT_S,
+        )
         task = asyncio.ensure_future(release)
         self._releases.add(task)
         task.add_done_callback(self._released)
@@ -260,8 +287,9 @@ class RequestRunner:
         if not task.cancelled() and task.exception() is not None:  # it expires in the end
             log.info("giving back an abandoned lease failed: %s", task.exception())
 
-    async def _prefill(self, hashes, request_id, prompt, sampling, decode, lease, progress,
-                       timeout) -> decode_pb2.TokenDelta:  # fmt: skip
+    async def _prefill(
+        self, hashes, request_id, prompt, sampling, decode, lease, progress, timeout
+    ) -> decode_pb2.TokenDelta:
         prefills = self.prefill_policy.rank(
             self.dispatches.adjust(self.discovery.workers("prefill")), hashes
         )
@@ -273,20 +301,33 @@ class RequestRunner:
             progress.set(prefill_worker=worker.address)
             self.dispatches.record(worker.address)
             try:
-                response = await stub.Prefill(prefill_pb2.PrefillRequest(
-                    request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                    target=prefill_pb2.KVTarget(address=decode.address, lease_id=lease.lease_id),
-                ), timeout=timeout)  # fmt: skip
+                response = await stub.Prefill(
+                    prefill_pb2.PrefillRequest(
+                        request_id=request_id,
+                        prompt_token_ids=prompt,
+                        sampling=sampling,
+                        target=prefill_pb2.KVTarget(
+                            address=decode.address, lease_id=lease.lease_id
+                        ),
+                    ),
+                    timeout=timeout,
+                )
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
                 self.discovery.mark_unhealthy(worker.address)
                 last_error = exc  # the lease is still open: the next worker pushes into it
                 continue
-            progress.set(phase="transferring", first_token_at=time.monotonic(),
-                         cached_prompt_tokens=response.usage.cached_prompt_tokens)  # fmt: skip
-            head = decode_pb2.TokenDelta(token_ids=[response.first_token_id], text=response.text,
-                                         finish_reason=response.finish_reason)  # fmt: skip
+            progress.set(
+                phase="transferring",
+                first_token_at=time.monotonic(),
+                cached_prompt_tokens=response.usage.cached_prompt_tokens,
+            )
+            head = decode_pb2.TokenDelta(
+                token_ids=[response.first_token_id],
+                text=response.text,
+                finish_reason=response.finish_reason,
+            )
             if response.HasField("logprobs"):
                 head.logprobs.append(response.logprobs)
             if response.finish_reason != FINISHED:
@@ -294,15 +335,25 @@ class RequestRunner:
             return head
         raise last_error
 
-    async def _colocated(self, worker, request_id, prompt, sampling, progress, timeout,
-                         deliver) -> None:  # fmt: skip
-        progress.set(phase="prefilling", prefill_worker=worker.address,
-                     decode_worker=worker.address, admitted_at=time.monotonic())  # fmt: skip
-        stream = self.relays.open(worker.address, decode_pb2.RelayAttach(
-            stream_interval=self.config.stream_interval,
-            generate=decode_pb2.LocalGenerateRequest(
-                request_id=request_id, prompt_token_ids=prompt, sampling=sampling),
-        ), timeout)  # fmt: skip
+    async def _colocated(
+        self, worker, request_id, prompt, sampling, progress, timeout, deliver
+    ) -> None:
+        progress.set(
+            phase="prefilling",
+            prefill_worker=worker.address,
+            decode_worker=worker.address,
+            admitted_at=time.monotonic(),
+        )
+        stream = self.relays.open(
+            worker.address,
+            decode_pb2.RelayAttach(
+                stream_interval=self.config.stream_interval,
+                generate=decode_pb2.LocalGenerateRequest(
+                    request_id=request_id, prompt_token_ids=prompt, sampling=sampling
+                ),
+            ),
+            timeout,
+        )
         try:
             await stream.deliver(_marking_decoding(progress, deliver, first_token_here=True))
         finally:

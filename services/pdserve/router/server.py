@@ -12,22 +12,17 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.api.v1 import router_pb2
-from pdserve.api_handlers import add_servicer
-from pdserve.engine.config import ModelConfig
-from pdserve.engine.errors import ModelLoadError
-from pdserve.engine.fingerprint import model_fingerprint
+from pdserve.core.checkpoint import model_fingerprint
+from pdserve.core.errors import ModelLoadError
+from pdserve.core.model_config import ModelConfig
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.cancel_bus import CancelBus
 from pdserve.router.discovery import KubernetesDiscovery, RedisDiscovery, StaticDiscovery
 from pdserve.router.policy import ColocationRule, MostFreeDecode, make_prefill_policy
 from pdserve.router.runner import ChannelPool, RequestRunner, RunnerConfig
 from pdserve.router.service import RouterServicer
-from pdserve.serving import (
-    KEEPALIVE_OPTIONS,
-    announce_ready,
-    configure_logging,
-    stop_on_signals,
-)
+from pdserve.rpc.registration import add_servicer
+from pdserve.rpc.server import KEEPALIVE_OPTIONS, announce_ready, configure_logging, stop_on_signals
 from pdserve.state.registry import WorkerRegistry
 from pdserve.state.requests import RequestStore
 
@@ -74,8 +69,9 @@ def make_discovery(config: RouterConfig):
     if config.discovery == "static":
         return StaticDiscovery(prefill=config.prefill, decode=config.decode, both=config.both)
     if config.discovery == "kubernetes":
-        return KubernetesDiscovery(config.k8s_namespace, config.k8s_prefill_service,
-                                   config.k8s_decode_service)  # fmt: skip
+        return KubernetesDiscovery(
+            config.k8s_namespace, config.k8s_prefill_service, config.k8s_decode_service
+        )
     return RedisDiscovery(WorkerRegistry(config.redis_url))
 
 
@@ -93,27 +89,42 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     await discovery.start()
     channels = ChannelPool(options=KEEPALIVE_OPTIONS)
     runner = RequestRunner(
-        discovery, make_prefill_policy(config.prefill_policy), MostFreeDecode(), channels,
+        discovery,
+        make_prefill_policy(config.prefill_policy),
+        MostFreeDecode(),
+        channels,
         RunnerConfig(
-            block_size=16, lease_ttl_ms=config.lease_ttl_ms, max_attempts=config.max_attempts,
+            block_size=16,
+            lease_ttl_ms=config.lease_ttl_ms,
+            max_attempts=config.max_attempts,
             stream_interval=config.stream_interval,
-            colocation=ColocationRule(enabled=config.colocate,
-                                      max_prompt_tokens=config.colocate_max_prompt_tokens),
+            colocation=ColocationRule(
+                enabled=config.colocate, max_prompt_tokens=config.colocate_max_prompt_tokens
+            ),
         ),
-    )  # fmt: skip
+    )
     servicer = RouterServicer(
-        model_dir=config.model, tokenizer=tokenizer, model_config=model_config,
-        fingerprint=fingerprint, max_model_len=model_config.max_position_embeddings,
-        runner=runner, store=store, discovery=discovery,
+        model_dir=config.model,
+        tokenizer=tokenizer,
+        model_config=model_config,
+        fingerprint=fingerprint,
+        max_model_len=model_config.max_position_embeddings,
+        runner=runner,
+        store=store,
+        discovery=discovery,
         cancel_bus=CancelBus(config.redis_url),
-        router_id=config.router_id, max_inflight=config.max_inflight,
-    )  # fmt: skip
+        router_id=config.router_id,
+        max_inflight=config.max_inflight,
+    )
     await servicer.cancel_bus.start(servicer.cancel_local)
 
-    server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), *KEEPALIVE_OPTIONS,
-    ])  # fmt: skip
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            *KEEPALIVE_OPTIONS,
+        ]
+    )
     add_servicer(servicer, router_pb2.DESCRIPTOR.services_by_name["Router"], server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -11,26 +11,27 @@ from dataclasses import dataclass
 
 from pdserve.api.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.api.v1.decode_pb2 import TokenDelta
-from pdserve.engine.config import ModelConfig
-from pdserve.engine.errors import InvalidRequestError, KVCapacityError, UnknownRequestError
+from pdserve.core.errors import InvalidRequestError, KVCapacityError, UnknownRequestError
+from pdserve.core.model_config import ModelConfig
+from pdserve.core.phase import RequestPhase
+from pdserve.core.sampling_params import check_prompt_token_ids, check_request
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.validation import check_prompt_token_ids, check_request
 from pdserve.router.cancel_bus import CancelBus
 from pdserve.router.discovery import Discovery
 from pdserve.router.runner import Progress, RequestRunner
-from pdserve.rpc_errors import rpc_errors
-from pdserve.state.requests import RequestRecord, RequestStatus, RequestStore
-from pdserve.wire import FINISH_REASON_NAMES, FINISH_REASONS, sampling_params_from_proto
+from pdserve.rpc.errors import rpc_errors
+from pdserve.rpc.wire import FINISH_REASON_NAMES, FINISH_REASONS, sampling_params_from_proto
+from pdserve.state.requests import RequestRecord, RequestStore
 
 log = logging.getLogger(__name__)
 _PHASES = {
-    "prefilling": RequestStatus.PREFILLING,
-    "transferring": RequestStatus.TRANSFERRING,
-    "decoding": RequestStatus.DECODING,
+    "prefilling": RequestPhase.PREFILLING,
+    "transferring": RequestPhase.TRANSFERRING,
+    "decoding": RequestPhase.DECODING,
 }
 # The sampling parameters' field path: as the engine names it, and in the public API.
 _ENGINE_SAMPLING, PUBLIC_SAMPLING = "sampling_params", "sampling"
-TERMINAL = frozenset({RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED})
+TERMINAL = frozenset({RequestPhase.FINISHED, RequestPhase.FAILED, RequestPhase.CANCELLED})
 
 
 class ResumeOutOfRangeError(InvalidRequestError):
@@ -48,10 +49,21 @@ class _Running:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, *, model_dir: str, tokenizer: Tokenizer, model_config: ModelConfig,
-                 fingerprint: str, max_model_len: int, runner: RequestRunner,
-                 store: RequestStore, discovery: Discovery, cancel_bus: CancelBus,
-                 router_id: str, max_inflight: int):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        model_dir: str,
+        tokenizer: Tokenizer,
+        model_config: ModelConfig,
+        fingerprint: str,
+        max_model_len: int,
+        runner: RequestRunner,
+        store: RequestStore,
+        discovery: Discovery,
+        cancel_bus: CancelBus,
+        router_id: str,
+        max_inflight: int,
+    ):
         self.model_dir, self.tokenizer, self.model_config = model_dir, tokenizer, model_config
         self.fingerprint, self.max_model_len = fingerprint, max_model_len
         self.runner, self.store, self.discovery = runner, store, discovery
@@ -83,15 +95,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if params.temperature > 0 and params.seed is None:
             # A seed makes a retry on another worker regenerate the same tokens.
             sampling.seed = random.getrandbits(63)
-        record = RequestRecord(request_id=request_id, status=RequestStatus.QUEUED,
-                               prompt_tokens=len(prompt), router_id=self.router_id,
-                               created_at=time.time(), updated_at=time.time())  # fmt: skip
+        record = RequestRecord(
+            request_id=request_id,
+            status=RequestPhase.QUEUED,
+            prompt_tokens=len(prompt),
+            router_id=self.router_id,
+            created_at=time.time(),
+            updated_at=time.time(),
+        )
         progress = Progress(on_change=lambda p: self._record_progress(request_id, p))
         queue: asyncio.Queue = asyncio.Queue()
 
         def start() -> asyncio.Task:
-            return asyncio.create_task(self._pump(request_id, prompt, sampling, progress,
-                                                  context.time_remaining(), queue))  # fmt: skip
+            return asyncio.create_task(
+                self._pump(request_id, prompt, sampling, progress, context.time_remaining(), queue)
+            )
 
         # An id of our making cannot be taken already: the request starts while Redis
         # records it, so the record's round trip overlaps admission instead of adding to
@@ -108,8 +126,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             async for message in self._replay(request_id, offset, request.stream):
                 yield message
             return
-        async for message in self._run(request_id, task or start(), progress, queue, received,
-                                       request.stream):  # fmt: skip
+        async for message in self._run(
+            request_id, task or start(), progress, queue, received, request.stream
+        ):
             yield message
 
     async def _run(self, request_id, task, progress, queue, received, stream):
@@ -132,11 +151,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if not stream:
                 yield collected
         except (asyncio.CancelledError, GeneratorExit):  # the client went away (mid-send: exit)
-            await asyncio.shield(self.store.finish(request_id, RequestStatus.CANCELLED, "abort"))
+            await asyncio.shield(self.store.finish(request_id, RequestPhase.CANCELLED, "abort"))
             raise
         except Exception as exc:
-            await self.store.finish(request_id, RequestStatus.FAILED, "",
-                                    error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+            await self.store.finish(
+                request_id, RequestPhase.FAILED, "", error=f"{type(exc).__name__}: {exc}"
+            )
             raise
         finally:
             task.cancel()
@@ -155,9 +175,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def _response(self, request_id, offset, delta, received, progress):
         message = router_pb2.GenerateResponse(
-            request_id=request_id, offset=offset, token_ids=delta.token_ids, text=delta.text,
-            logprobs=delta.logprobs, finish_reason=delta.finish_reason,
-        )  # fmt: skip
+            request_id=request_id,
+            offset=offset,
+            token_ids=delta.token_ids,
+            text=delta.text,
+            logprobs=delta.logprobs,
+            finish_reason=delta.finish_reason,
+        )
         self.store.append_tokens(request_id, delta.token_ids, delta.text)
         if delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             message.usage.CopyFrom(delta.usage)
@@ -165,12 +189,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             message.usage.cached_prompt_tokens = progress.cached_prompt_tokens
             _fill_timings(message.timings, received, progress)
             aborted = delta.finish_reason == common_pb2.FINISH_REASON_ABORT
-            asyncio.create_task(self.store.finish(
-                request_id, RequestStatus.CANCELLED if aborted else RequestStatus.FINISHED,
-                FINISH_REASON_NAMES[delta.finish_reason] or "",
-                completion_tokens=message.usage.completion_tokens,
-                cached_prompt_tokens=progress.cached_prompt_tokens,
-            ))  # fmt: skip
+            asyncio.create_task(
+                self.store.finish(
+                    request_id,
+                    RequestPhase.CANCELLED if aborted else RequestPhase.FINISHED,
+                    FINISH_REASON_NAMES[delta.finish_reason] or "",
+                    completion_tokens=message.usage.completion_tokens,
+                    cached_prompt_tokens=progress.cached_prompt_tokens,
+                )
+            )
         return message
 
     def _record_progress(self, request_id: str, progress: Progress) -> None:
@@ -179,10 +206,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         # holds the request from now on) goes out at once, without waiting.
         status = _PHASES.get(progress.phase)
         if status is not None:
-            self.store.update_later(request_id, status=status,
-                                    prefill_worker=progress.prefill_worker,
-                                    decode_worker=progress.decode_worker,
-                                    soon=status is RequestStatus.DECODING)  # fmt: skip
+            self.store.update_later(
+                request_id,
+                status=status,
+                prefill_worker=progress.prefill_worker,
+                decode_worker=progress.decode_worker,
+                soon=status is RequestPhase.DECODING,
+            )
 
     async def _replay(self, request_id: str, offset: int, stream: bool):
         """Re-attach to a request (any router's) from `offset`, following it to its end."""
@@ -190,8 +220,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         position = offset
         try:
             async for token_ids, text, final in self.store.follow(request_id, offset):
-                message = router_pb2.GenerateResponse(request_id=request_id, offset=position,
-                                                      token_ids=token_ids, text=text)  # fmt: skip
+                message = router_pb2.GenerateResponse(
+                    request_id=request_id, offset=position, token_ids=token_ids, text=text
+                )
                 position += len(token_ids)
                 if final is not None:
                     message.finish_reason = FINISH_REASONS.get(final.finish_reason or None, 0)
@@ -235,11 +266,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if record is None:
             raise UnknownRequestError(request.request_id)
         info = router_pb2.RequestInfo(
-            request_id=record.request_id, status=record.status.value,
-            prefill_worker=record.prefill_worker, decode_worker=record.decode_worker,
+            request_id=record.request_id,
+            status=record.status.value,
+            prefill_worker=record.prefill_worker,
+            decode_worker=record.decode_worker,
             finish_reason=FINISH_REASONS.get(record.finish_reason or None, 0),
-            error=record.error, created_at=record.created_at, updated_at=record.updated_at,
-        )  # fmt: skip
+            error=record.error,
+            created_at=record.created_at,
+            updated_at=record.updated_at,
+        )
         info.usage.prompt_tokens = record.prompt_tokens
         info.usage.completion_tokens = record.completion_tokens
         info.usage.cached_prompt_tokens = record.cached_prompt_tokens
@@ -253,11 +288,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 if w.address in seen:
                     continue
                 seen.add(w.address)
-                workers.append(router_pb2.WorkerStatus(
-                    worker_id=w.worker_id, role=w.role, address=w.address, healthy=w.healthy,
-                    free_blocks=w.free_blocks, total_blocks=w.total_blocks, running=w.running,
-                    waiting=w.waiting, updated_at=w.updated_at,
-                ))  # fmt: skip
+                workers.append(
+                    router_pb2.WorkerStatus(
+                        worker_id=w.worker_id,
+                        role=w.role,
+                        address=w.address,
+                        healthy=w.healthy,
+                        free_blocks=w.free_blocks,
+                        total_blocks=w.total_blocks,
+                        running=w.running,
+                        waiting=w.waiting,
+                        updated_at=w.updated_at,
+                    )
+                )
         return router_pb2.ListWorkersResponse(workers=workers)
 
     @rpc_errors
@@ -275,10 +318,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def ModelInfo(self, request, context):
         cfg = self.model_config
         return router_pb2.ModelInfoResponse(
-            model=self.model_dir, architecture=cfg.architecture, vocab_size=cfg.vocab_size,
-            max_model_len=self.max_model_len, model_fingerprint=self.fingerprint,
+            model=self.model_dir,
+            architecture=cfg.architecture,
+            vocab_size=cfg.vocab_size,
+            max_model_len=self.max_model_len,
+            model_fingerprint=self.fingerprint,
             eos_token_ids=sorted(self.tokenizer.eos_token_ids),
-        )  # fmt: skip
+        )
 
     def _checked_params(self, sampling: common_pb2.SamplingParams, prompt: list[int]):
         """The request's sampling parameters, validated; errors name the public field."""
@@ -300,8 +346,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise InvalidRequestError("prompt.text", "must not be empty")
             return self.tokenizer.encode(request.text)
         if which == "token_ids":
-            return check_prompt_token_ids(request.token_ids.ids, self.model_config.vocab_size,
-                                          field="prompt.token_ids")  # fmt: skip
+            return check_prompt_token_ids(
+                request.token_ids.ids, self.model_config.vocab_size, field="prompt.token_ids"
+            )
         raise InvalidRequestError("prompt", "set prompt.text or prompt.token_ids")
 
 

@@ -77,17 +77,24 @@ class PrivateRedis:
             self._proc = subprocess.Popen(
                 [
                     self.binary,
-                    "--port", str(self.port),
-                    "--bind", self.host,
-                    "--save", "",
-                    "--appendonly", "no",
-                    "--dir", self._dir,
-                    "--protected-mode", "yes",
-                    "--loglevel", "warning",
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    self.host,
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    self._dir,
+                    "--protected-mode",
+                    "yes",
+                    "--loglevel",
+                    "warning",
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
-            )  # fmt: skip
+            )
             if self._wait_until_ready():
                 return self
             last_error = self._reap()

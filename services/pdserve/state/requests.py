@@ -56,7 +56,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import enum
 import json
 import logging
 import time
@@ -68,7 +67,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from pdserve.engine.errors import UnknownRequestError
+from pdserve.core.errors import CheckpointsLostError, StateUnavailableError, UnknownRequestError
+from pdserve.core.phase import RequestPhase
 
 log = logging.getLogger(__name__)
 
@@ -90,38 +90,12 @@ CLOSE_FLUSH_TIMEOUT_S = 2.0
 MAX_BUFFERED_DELTAS = 65_536
 
 
-class RequestStatus(enum.StrEnum):
-    QUEUED = "queued"
-    PREFILLING = "prefilling"
-    TRANSFERRING = "transferring"
-    DECODING = "decoding"
-    FINISHED = "finished"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def is_terminal(self) -> bool:
-        return self in _TERMINAL
-
-
-_TERMINAL = frozenset({RequestStatus.FINISHED, RequestStatus.FAILED, RequestStatus.CANCELLED})
-
-
-class StateUnavailableError(Exception):
-    """Redis did not answer (in time); callers map it to UNAVAILABLE."""
-
-
-class CheckpointsLostError(StateUnavailableError):
-    """Part of a request's token stream is gone (Redis restarted empty, or the writer
-    dropped deltas it could not write), so it cannot be resumed from this offset."""
-
-
 @dataclass
 class RequestRecord:
     """A request as every router sees it. Times are unix seconds; 0.0 means not yet."""
 
     request_id: str
-    status: RequestStatus
+    status: RequestPhase
     prompt_tokens: int
     # output tokens appended so far; in Redis, exactly those checkpointed with the record
     completion_tokens: int = 0
@@ -140,7 +114,7 @@ class RequestRecord:
     params_json: str = ""
 
     def __post_init__(self) -> None:
-        self.status = RequestStatus(self.status)
+        self.status = RequestPhase(self.status)
         if not self.updated_at:
             self.updated_at = self.created_at
 
@@ -285,9 +259,16 @@ def _stream_entries(reply) -> list[tuple[bytes, dict[bytes, bytes]]]:
 class RequestStore:
     """Request records and token checkpoints in Redis (layout in the module docstring)."""
 
-    def __init__(self, redis_url: str, *, ttl_s: float = 3600, checkpoint_tokens: int = 32,
-                 checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S, key_prefix: str = "pdserve",
-                 max_buffered_deltas: int = MAX_BUFFERED_DELTAS):  # fmt: skip
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        ttl_s: float = 3600,
+        checkpoint_tokens: int = 32,
+        checkpoint_interval_s: float = CHECKPOINT_INTERVAL_S,
+        key_prefix: str = "pdserve",
+        max_buffered_deltas: int = MAX_BUFFERED_DELTAS,
+    ):
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
         if checkpoint_tokens < 1:
@@ -302,8 +283,9 @@ class RequestStore:
         self.key_prefix = key_prefix
         self.max_buffered_deltas = max_buffered_deltas
         fail_fast = dict(socket_connect_timeout=CONNECT_TIMEOUT_S, retry=Retry(NoBackoff(), 0))
-        self._redis = aioredis.Redis.from_url(redis_url, socket_timeout=SOCKET_TIMEOUT_S,
-                                              **fail_fast)  # fmt: skip
+        self._redis = aioredis.Redis.from_url(
+            redis_url, socket_timeout=SOCKET_TIMEOUT_S, **fail_fast
+        )
         # XREAD BLOCK holds its connection for FOLLOW_BLOCK_S before the reply
         self._follow_redis = aioredis.Redis.from_url(
             redis_url, socket_timeout=FOLLOW_BLOCK_S + SOCKET_TIMEOUT_S, **fail_fast
@@ -389,7 +371,7 @@ class RequestStore:
         return writer is not None
 
     def _set_fields(self, request_id: str, fields: dict) -> _Writer | None:
-        if "status" in fields and RequestStatus(fields["status"]).is_terminal:
+        if "status" in fields and RequestPhase(fields["status"]).is_terminal:
             raise ValueError("a terminal status is set by finish()")
         writer = self._running_writer(request_id)
         if writer is None:  # e.g. a progress report racing the request's end
@@ -421,22 +403,25 @@ class RequestStore:
             writer.due = True
             self._wake.set()
 
-    async def finish(self, request_id: str, status: RequestStatus, finish_reason: str,
-                     error: str = "", **fields) -> bool:  # fmt: skip
+    async def finish(
+        self, request_id: str, status: RequestPhase, finish_reason: str, error: str = "", **fields
+    ) -> bool:
         """End a request running here: its buffered deltas, then the end entry and record.
 
         Both go out in one transaction, in that order. Waits like `update`. False if the
         request is not running here (never created here, or finished already).
         """
-        status = RequestStatus(status)
+        status = RequestPhase(status)
         if not status.is_terminal:
             raise ValueError(f"finish() needs a terminal status, got {status.value!r}")
         writer = self._running_writer(request_id)
         if writer is None:  # e.g. a cancel racing the last delta's finish
             log.debug("finish of request %s, which is not running here: ignored", request_id)
             return False
-        _assign(writer.record, {**fields, "status": status, "finish_reason": finish_reason,
-                                "error": error})  # fmt: skip
+        _assign(
+            writer.record,
+            {**fields, "status": status, "finish_reason": finish_reason, "error": error},
+        )
         if not writer.record.finished_at:
             writer.record.finished_at = time.time()
         writer.finished = True
@@ -495,8 +480,11 @@ class RequestStore:
             await self._write_dirty()
         except RedisError as exc:
             if self._reachable:
-                log.warning("Redis unreachable (%s): buffering the state of %d requests",
-                            exc, len(self._writers))  # fmt: skip
+                log.warning(
+                    "Redis unreachable (%s): buffering the state of %d requests",
+                    exc,
+                    len(self._writers),
+                )
             self._reachable = False
             for writer in self._writers.values():
                 self._drop_oldest(writer)
@@ -539,15 +527,21 @@ class RequestStore:
         tokens_key = self._tokens_key(record.request_id)
         num_deltas = len(writer.ids)
         if num_deltas:
-            pipe.xadd(tokens_key, {
-                "seq": writer.seq, "offset": writer.offset,
-                "ids": json.dumps(writer.ids, separators=(",", ":")),
-                "texts": json.dumps(writer.texts, separators=(",", ":")),
-            })  # fmt: skip
+            pipe.xadd(
+                tokens_key,
+                {
+                    "seq": writer.seq,
+                    "offset": writer.offset,
+                    "ids": json.dumps(writer.ids, separators=(",", ":")),
+                    "texts": json.dumps(writer.texts, separators=(",", ":")),
+                },
+            )
         if writer.finished:
             end_offset = writer.offset + writer.num_buffered_tokens
-            pipe.xadd(tokens_key, {"seq": writer.seq + num_deltas, "offset": end_offset,
-                                   "end": record.status.value})  # fmt: skip
+            pipe.xadd(
+                tokens_key,
+                {"seq": writer.seq + num_deltas, "offset": end_offset, "end": record.status.value},
+            )
         record.updated_at = now
         pipe.set(self._record_key(record.request_id), record.to_json(), px=self.ttl_ms)
         if writer.finished or (num_deltas and now >= writer.renew_expiry_at):
@@ -577,8 +571,12 @@ class RequestStore:
             return
         num_tokens = sum(len(ids) for ids in writer.ids[:excess])
         first, end = writer.offset, writer.offset + num_tokens
-        log.warning("request %s: Redis still unreachable, dropped tokens %d to %d",
-                    writer.record.request_id, first, end)  # fmt: skip
+        log.warning(
+            "request %s: Redis still unreachable, dropped tokens %d to %d",
+            writer.record.request_id,
+            first,
+            end,
+        )
         del writer.ids[:excess]
         del writer.texts[:excess]
         writer.seq += excess
@@ -682,4 +680,4 @@ def _assign(record: RequestRecord, fields: dict) -> None:
     if unknown:
         raise ValueError(f"cannot set record fields {sorted(unknown)}")
     for name, value in fields.items():
-        setattr(record, name, RequestStatus(value) if name == "status" else value)
+        setattr(record, name, RequestPhase(value) if name == "status" else value)

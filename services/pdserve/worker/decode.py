@@ -9,11 +9,17 @@ import uuid
 from dataclasses import dataclass, field
 
 from pdserve.api.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
-from pdserve.engine.kv_cache import KVLayerChunk
-from pdserve.kv.lease import Lease, LeaseError, LeaseState
+from pdserve.core.errors import (
+    LeaseAbortedError,
+    LeaseExpiredError,
+    LeaseNotFoundError,
+    PreconditionError,
+)
+from pdserve.core.kv_chunk import KVLayerChunk
+from pdserve.kv.lease import Lease, LeaseState
 from pdserve.kv.transfer import receive_push
-from pdserve.rpc_errors import PreconditionError, rpc_errors
-from pdserve.wire import sampling_params_from_proto
+from pdserve.rpc.errors import rpc_errors
+from pdserve.rpc.wire import sampling_params_from_proto
 from pdserve.worker.engine_loop import Sink
 from pdserve.worker.relay import RelayCall
 from pdserve.worker.worker import Worker
@@ -78,18 +84,20 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.worker.check_ready()
         admitted = self.admitted.get(request.lease_id)
         if admitted is None or admitted.stream_attached:
-            raise LeaseError("not_found", "unknown lease, or its stream is already attached")
+            raise LeaseNotFoundError("unknown lease, or its stream is already attached")
         admitted.stream_attached = True
         try:
             await admitted.ready  # raises if the lease ended without its KV
             first_token_count = 1
             async for delta in self.worker.stream_deltas(
-                admitted.lease.request_id, admitted.sink, first_token_count,
+                admitted.lease.request_id,
+                admitted.sink,
+                first_token_count,
                 request.stream_interval,
-            ):  # fmt: skip
+            ):
                 yield delta
         finally:
-            await self.close_lease(admitted, LeaseState.RELEASED, LeaseError("not_found", "closed"))
+            await self.close_lease(admitted, LeaseState.RELEASED, LeaseNotFoundError("closed"))
 
     @rpc_errors
     async def Release(self, request, context):
@@ -97,8 +105,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         admitted = self.admitted.get(request.lease_id)
         if admitted is None:
             return decode_pb2.ReleaseResponse(released=False)
-        await self.close_lease(admitted, LeaseState.RELEASED,
-                               LeaseError("not_found", "lease released by its holder"))  # fmt: skip
+        await self.close_lease(
+            admitted, LeaseState.RELEASED, LeaseNotFoundError("lease released by its holder")
+        )
         return decode_pb2.ReleaseResponse(released=True)
 
     @rpc_errors
@@ -142,15 +151,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def commit(self, lease_id: str, first_token_id: int) -> None:
         lease = self.worker.leases.commit(lease_id)  # raises unless open, in time, complete
         admitted = self.admitted[lease_id]
-        await self.worker.loop.call(self.worker.engine.commit_kv, lease.request_id,
-                                    first_token_id)  # fmt: skip
+        await self.worker.loop.call(self.worker.engine.commit_kv, lease.request_id, first_token_id)
         if not admitted.ready.done():
             admitted.ready.set_result(None)
 
     async def fail(self, lease_id: str, why: str) -> None:
         admitted = self.admitted.get(lease_id)
         if admitted is not None and admitted.lease.state is LeaseState.OPEN:
-            await self.close_lease(admitted, LeaseState.FAILED, LeaseError("aborted", why))
+            await self.close_lease(admitted, LeaseState.FAILED, LeaseAbortedError(why))
 
     async def close_lease(self, admitted: _Admitted, state: LeaseState, reason: Exception) -> None:
         """End a lease for good: free its blocks (or abort its request) exactly once."""
@@ -169,7 +177,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             await asyncio.sleep(EXPIRY_CHECK_S)
             for lease in self.worker.leases.expired():
                 log.info("lease for request %s expired before its KV arrived", lease.request_id)
-                reason = LeaseError("expired", "lease deadline passed before its KV arrived")
+                reason = LeaseExpiredError("lease deadline passed before its KV arrived")
                 await self.close_lease(self.admitted[lease.lease_id], LeaseState.EXPIRED, reason)
             # A committed request whose stream never attached would run unseen forever.
             now = time.monotonic()
@@ -177,8 +185,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 lease = admitted.lease
                 overdue = now > lease.deadline + self.worker.config.lease_ttl_s
                 if lease.state is LeaseState.COMMITTED and not admitted.stream_attached and overdue:
-                    await self.close_lease(admitted, LeaseState.RELEASED,
-                                           LeaseError("expired", "no stream attached"))  # fmt: skip
+                    await self.close_lease(
+                        admitted, LeaseState.RELEASED, LeaseExpiredError("no stream attached")
+                    )
 
     async def close(self) -> None:
         if self._expiry_task is not None:
@@ -186,7 +195,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if self._background:
             await asyncio.wait(list(self._background))
         for admitted in list(self.admitted.values()):
-            shutdown = LeaseError("not_found", "shutdown")
+            shutdown = LeaseNotFoundError("shutdown")
             await self.close_lease(admitted, LeaseState.RELEASED, shutdown)
 
 

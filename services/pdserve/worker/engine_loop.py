@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.kv_cache import KVLayerChunk
+from pdserve.core.block_hash import num_blocks_for
+from pdserve.core.kv_chunk import KVLayerChunk
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.scheduler import SchedulerOutput
@@ -157,7 +158,7 @@ class EngineLoop:
             if export is None:
                 continue
             first = export.num_full_blocks_sent  # cached prefix blocks ship on the first step
-            last = -(-s.end // block_size) if s.produces_token else s.end // block_size
+            last = num_blocks_for(s.end, block_size) if s.produces_token else s.end // block_size
             if last > first:
                 chunk: KVLayerChunk = self.engine.kv_cache.export_layer(
                     layer, s.request.block_ids[first:last]

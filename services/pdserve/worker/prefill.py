@@ -18,12 +18,12 @@ from pdserve.api.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.core.errors import InvalidRequestError, PreconditionError
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv.transfer import KVPusher, channel_options
-from pdserve.rpc_errors import PreconditionError, rpc_errors
-from pdserve.wire import FINISH_REASONS, logprobs_to_proto, sampling_params_from_proto
+from pdserve.rpc.errors import rpc_errors
+from pdserve.rpc.wire import FINISH_REASONS, logprobs_to_proto, sampling_params_from_proto
 from pdserve.worker.engine_loop import EXPORT_DONE, KVExport, Sink
 from pdserve.worker.worker import Worker
 
@@ -43,16 +43,20 @@ class _DecodePeer:
         self.channel = grpc.aio.insecure_channel(address, options=options)
         self.kv = kv_transfer_pb2_grpc.KVTransferStub(self.channel)
         self.decode = decode_pb2_grpc.DecodeStub(self.channel)
-        self.pusher = KVPusher(address, num_streams=worker.config.kv_streams,
-                               max_message_bytes=worker.config.max_message_bytes)  # fmt: skip
+        self.pusher = KVPusher(
+            address,
+            num_streams=worker.config.kv_streams,
+            max_message_bytes=worker.config.max_message_bytes,
+        )
         self.verified = False
 
     async def handshake(self, worker: Worker) -> None:
         """Check once that the decode worker runs our model with our KV layout."""
         if self.verified:
             return
-        request = kv_transfer_pb2.HandshakeRequest(layout=worker.layout,
-                                                   sender=worker.config.worker_id)  # fmt: skip
+        request = kv_transfer_pb2.HandshakeRequest(
+            layout=worker.layout, sender=worker.config.worker_id
+        )
         try:
             await self.kv.Handshake(request, timeout=10)
         except grpc.aio.AioRpcError as exc:
@@ -135,11 +139,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             await peer.handshake(worker)
             sink = worker.loop.open_sink(request_id)
-            await worker.loop.call(self._start, list(request.prompt_token_ids), params,
-                                   request_id, export)  # fmt: skip
-            push = asyncio.create_task(asyncio.to_thread(
-                peer.pusher.push, lease_id, exported_chunks(export, worker.config.lease_ttl_s),
-            ))  # fmt: skip
+            await worker.loop.call(
+                self._start, list(request.prompt_token_ids), params, request_id, export
+            )
+            push = asyncio.create_task(
+                asyncio.to_thread(
+                    peer.pusher.push,
+                    lease_id,
+                    exported_chunks(export, worker.config.lease_ttl_s),
+                )
+            )
             first: RequestOutput = await self._first_token(request_id, sink)
         except BaseException:  # failed or cancelled by the caller: free both sides now
             keeper.cancel()
@@ -187,9 +196,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 await self._release(peer, lease_id, push)
                 return
             await push
-            await peer.kv.CommitKV(kv_transfer_pb2.CommitKVRequest(
-                lease_id=lease_id, first_token_id=first.token_ids[0],
-            ), timeout=self.worker.config.lease_ttl_s)  # fmt: skip
+            await peer.kv.CommitKV(
+                kv_transfer_pb2.CommitKVRequest(
+                    lease_id=lease_id,
+                    first_token_id=first.token_ids[0],
+                ),
+                timeout=self.worker.config.lease_ttl_s,
+            )
         except Exception as exc:
             log.warning("KV hand-off for %s failed: %s", first.request_id, exc)
             await self._release(peer, lease_id, None)

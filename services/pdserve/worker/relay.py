@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve.api.v1 import decode_pb2
-from pdserve.engine.errors import InvalidRequestError
-from pdserve.kv.lease import LeaseError, LeaseState
-from pdserve.rpc_errors import to_status
+from pdserve.core.errors import InvalidRequestError, LeaseNotFoundError
+from pdserve.kv.lease import LeaseState
+from pdserve.rpc.errors import to_status
 from pdserve.worker.worker import PendingDeltas
 
 if TYPE_CHECKING:
@@ -98,24 +98,26 @@ class RelayCall:
             self._attach_lease(stream_id, attach)
         elif kind == "generate":
             request_id = attach.generate.request_id or uuid.uuid4().hex
-            attached = _Attached(stream_id, request_id,
-                                 PendingDeltas(attach.stream_interval), None)  # fmt: skip
+            attached = _Attached(stream_id, request_id, PendingDeltas(attach.stream_interval), None)
             self.attached[stream_id] = attached
             self.decode.spawn(self._generate(attached, attach.generate))
         else:
-            self._refuse(stream_id, InvalidRequestError("attach.request",
-                                                        "set lease_id or generate"))  # fmt: skip
+            self._refuse(
+                stream_id, InvalidRequestError("attach.request", "set lease_id or generate")
+            )
 
     def _attach_lease(self, stream_id: int, attach: decode_pb2.RelayAttach) -> None:
         admitted = self.decode.admitted.get(attach.lease_id)
         if admitted is None or admitted.stream_attached:
-            self._refuse(stream_id, LeaseError(
-                "not_found", "unknown lease, or its stream is already attached"))  # fmt: skip
+            self._refuse(
+                stream_id, LeaseNotFoundError("unknown lease, or its stream is already attached")
+            )
             return
         admitted.stream_attached = True
         # The first token came from the prefill worker: the engine's count starts at 1.
-        attached = _Attached(stream_id, admitted.lease.request_id,
-                             PendingDeltas(attach.stream_interval, 1), admitted)  # fmt: skip
+        attached = _Attached(
+            stream_id, admitted.lease.request_id, PendingDeltas(attach.stream_interval, 1), admitted
+        )
         self.attached[stream_id] = attached
         admitted.ready.add_done_callback(lambda ready: self._on_ready(attached, ready))
         admitted.sink.forward_to(lambda item: self._on_item(attached, item))
@@ -159,8 +161,9 @@ class RelayCall:
             if attached.ended:  # its items went out through _ready
                 continue
             finished = attached.pending.finished
-            items.append(decode_pb2.RelayItem(stream_id=attached.stream_id,
-                                              delta=attached.pending.take()))  # fmt: skip
+            items.append(
+                decode_pb2.RelayItem(stream_id=attached.stream_id, delta=attached.pending.take())
+            )
             if finished:
                 self._end(attached, aborted=False)
         return items
@@ -174,8 +177,9 @@ class RelayCall:
     def _fail(self, attached: _Attached, error: BaseException) -> None:
         """End a request with an error, after whatever it produced before the error."""
         if attached.pending.deltas:
-            self._ready.append(decode_pb2.RelayItem(stream_id=attached.stream_id,
-                                                    delta=attached.pending.take()))  # fmt: skip
+            self._ready.append(
+                decode_pb2.RelayItem(stream_id=attached.stream_id, delta=attached.pending.take())
+            )
         self._ready.append(_error_item(attached.stream_id, error))
         self._end(attached, aborted=True)
 
@@ -186,9 +190,11 @@ class RelayCall:
         self._due.pop(attached.stream_id, None)
         self.wake()
         if attached.admitted is not None:
-            self.decode.spawn(self.decode.close_lease(
-                attached.admitted, LeaseState.RELEASED, LeaseError("not_found", "closed")
-            ))  # fmt: skip
+            self.decode.spawn(
+                self.decode.close_lease(
+                    attached.admitted, LeaseState.RELEASED, LeaseNotFoundError("closed")
+                )
+            )
         else:
             self.worker.loop.close_sink(attached.request_id)
             if aborted:
@@ -197,5 +203,6 @@ class RelayCall:
 
 def _error_item(stream_id: int, error: BaseException) -> decode_pb2.RelayItem:
     status = to_status(error)
-    return decode_pb2.RelayItem(stream_id=stream_id, error_code=status.code,
-                                error_message=status.message)  # fmt: skip
+    return decode_pb2.RelayItem(
+        stream_id=stream_id, error_code=status.code, error_message=status.message
+    )

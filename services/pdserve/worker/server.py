@@ -17,15 +17,10 @@ from pdserve.api.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from pdserve.engine.fingerprint import model_fingerprint
+from pdserve.core.checkpoint import model_fingerprint
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transfer import add_kv_transfer_servicer, channel_options, keep_freed_memory
-from pdserve.serving import (
-    KEEPALIVE_OPTIONS,
-    announce_ready,
-    configure_logging,
-    stop_on_signals,
-)
+from pdserve.rpc.server import KEEPALIVE_OPTIONS, announce_ready, configure_logging, stop_on_signals
 from pdserve.state.registry import WorkerRegistry, heartbeat
 from pdserve.worker.decode import DecodeServicer, KVTransferServicer
 from pdserve.worker.prefill import PrefillServicer
@@ -34,9 +29,11 @@ from pdserve.worker.worker import Worker, WorkerConfig
 log = logging.getLogger(__name__)
 _SERVICES = {
     "prefill": [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"]],
-    "decode": [decode_pb2.DESCRIPTOR.services_by_name["Decode"],
-               kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"]],
-}  # fmt: skip
+    "decode": [
+        decode_pb2.DESCRIPTOR.services_by_name["Decode"],
+        kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"],
+    ],
+}
 _SERVICES["both"] = _SERVICES["prefill"] + _SERVICES["decode"]
 
 
@@ -71,8 +68,9 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [s.full_name for s in _SERVICES[config.role]]
     await _set_health(health_servicer, names, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME],
-                                        server)  # fmt: skip
+    reflection.enable_server_reflection(
+        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
 
     worker = Worker(config)
     decode = prefill = None
@@ -92,8 +90,9 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
         decode.start()
     await _set_health(health_servicer, names, health_pb2.HealthCheckResponse.SERVING)
     heartbeats = _start_heartbeats(worker, port)
-    announce_ready(role=config.role, address=f"{config.host}:{port}",
-                   blocks=engine.block_manager.num_blocks)  # fmt: skip
+    announce_ready(
+        role=config.role, address=f"{config.host}:{port}", blocks=engine.block_manager.num_blocks
+    )
     await stop.wait()
 
     log.info("draining: no new requests; finishing the running ones")

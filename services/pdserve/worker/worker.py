@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pdserve.api.v1 import decode_pb2, kv_transfer_pb2
+from pdserve.core.errors import UnavailableError
+from pdserve.core.workers import MAX_CACHED_BLOCK_HASHES, ROLES, WorkerInfo
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.kv.lease import LeaseTable
-from pdserve.rpc_errors import UnavailableError
-from pdserve.state.registry import MAX_CACHED_BLOCK_HASHES, ROLES, WorkerInfo
-from pdserve.wire import deltas_to_proto, sampling_params_from_proto
+from pdserve.rpc.wire import deltas_to_proto, sampling_params_from_proto
 from pdserve.worker.engine_loop import EngineLoop, Sink
 
 log = logging.getLogger(__name__)
@@ -124,23 +124,27 @@ class Worker:
             open_leases=len(self.leases),
         )
 
-    async def start_local(self, request: decode_pb2.LocalGenerateRequest,
-                          request_id: str) -> Sink:  # fmt: skip
+    async def start_local(self, request: decode_pb2.LocalGenerateRequest, request_id: str) -> Sink:
         """Queue a colocated request (prefill and decode here); its deltas arrive in the sink."""
         self.check_admitting()
         params = sampling_params_from_proto(request.sampling)
         sink = self.loop.open_sink(request_id)
         try:
-            await self.loop.call(self.engine.add_request, list(request.prompt_token_ids),
-                                 params, request_id)  # fmt: skip
+            await self.loop.call(
+                self.engine.add_request, list(request.prompt_token_ids), params, request_id
+            )
         except BaseException:
             self.loop.close_sink(request_id)
             raise
         return sink
 
     async def stream_deltas(
-        self, request_id: str, sink: Sink, num_output_tokens: int = 0, stream_interval: int = 1,
-    ) -> AsyncIterator[decode_pb2.TokenDelta]:  # fmt: skip
+        self,
+        request_id: str,
+        sink: Sink,
+        num_output_tokens: int = 0,
+        stream_interval: int = 1,
+    ) -> AsyncIterator[decode_pb2.TokenDelta]:
         """A request's deltas as TokenDelta messages until it finishes (see PendingDeltas).
 
         If the consumer goes away (the RPC is cancelled), the request is aborted and its

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.core.model_config import ModelConfig
 from pdserve.engine.attention import AttentionMetadata, paged_attention, write_kv
-from pdserve.engine.config import ModelConfig
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary
 
 # Called with the layer index once that layer's K/V for this step are in the cache.

@@ -16,36 +16,32 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from pdserve.api_handlers import UndecodableRequest
-from pdserve.engine.errors import (
-    InvalidRequestError,
-    KVCapacityError,
-    KVChunkError,
-    UnknownRequestError,
-)
-from pdserve.kv.lease import LeaseError
-from pdserve.kv.transfer import KVChecksumError
-from pdserve.state.requests import CheckpointsLostError, StateUnavailableError
+from pdserve.core import errors
+from pdserve.core.errors import InvalidRequestError
+from pdserve.rpc.registration import UndecodableRequest
 
 log = logging.getLogger(__name__)
 DEFAULT_RETRY_DELAY_S = 0.1
 
-
-class UnavailableError(Exception):
-    """This server does not take the call now (loading, draining); try another or later."""
-
-
-class PreconditionError(Exception):
-    """The call cannot work against this server as it is (model or KV layout mismatch)."""
-
-
-_LEASE_CODES = {
-    "not_found": code_pb2.NOT_FOUND,
-    "expired": code_pb2.FAILED_PRECONDITION,
-    "invalid": code_pb2.INVALID_ARGUMENT,
-    "incomplete": code_pb2.FAILED_PRECONDITION,
-    "aborted": code_pb2.ABORTED,
-}
+# Each domain error type and its status code; the first entry an error is an instance of
+# wins, so a subclass is listed before its base. RetryInfo rides on the codes a caller
+# may retry after a pause.
+STATUS_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (errors.KVCapacityError, code_pb2.RESOURCE_EXHAUSTED),
+    (errors.CheckpointsLostError, code_pb2.DATA_LOSS),  # retrying cannot bring them back
+    (errors.StateUnavailableError, code_pb2.UNAVAILABLE),
+    (errors.UnavailableError, code_pb2.UNAVAILABLE),
+    (errors.UnknownRequestError, code_pb2.NOT_FOUND),
+    (errors.LeaseNotFoundError, code_pb2.NOT_FOUND),
+    (errors.LeaseExpiredError, code_pb2.FAILED_PRECONDITION),
+    (errors.LeaseRangeError, code_pb2.INVALID_ARGUMENT),
+    (errors.LeaseIncompleteError, code_pb2.FAILED_PRECONDITION),
+    (errors.LeaseAbortedError, code_pb2.ABORTED),
+    (errors.KVChecksumError, code_pb2.DATA_LOSS),
+    (errors.KVChunkError, code_pb2.INVALID_ARGUMENT),
+    (errors.PreconditionError, code_pb2.FAILED_PRECONDITION),
+)
+_RETRY_LATER = frozenset({code_pb2.RESOURCE_EXHAUSTED, code_pb2.UNAVAILABLE})
 
 
 def to_status(exc: BaseException) -> status_pb2.Status:
@@ -56,24 +52,13 @@ def to_status(exc: BaseException) -> status_pb2.Status:
         )
         code = code_pb2.OUT_OF_RANGE if exc.out_of_range else code_pb2.INVALID_ARGUMENT
         return _status(code, str(exc), error_details_pb2.BadRequest(field_violations=[violation]))
-    if isinstance(exc, KVCapacityError):
-        return _status(code_pb2.RESOURCE_EXHAUSTED, str(exc), _retry_info())
-    if isinstance(exc, CheckpointsLostError):  # retrying cannot bring them back
-        return _status(code_pb2.DATA_LOSS, str(exc))
-    if isinstance(exc, UnavailableError | StateUnavailableError):
-        return _status(code_pb2.UNAVAILABLE, str(exc), _retry_info())
-    if isinstance(exc, UnknownRequestError):
-        return _status(code_pb2.NOT_FOUND, str(exc))
-    if isinstance(exc, LeaseError):
-        return _status(_LEASE_CODES[exc.kind], str(exc))
-    if isinstance(exc, KVChecksumError):
-        return _status(code_pb2.DATA_LOSS, str(exc))
-    if isinstance(exc, KVChunkError):
-        return _status(code_pb2.DATA_LOSS if exc.corrupt else code_pb2.INVALID_ARGUMENT, str(exc))
     if isinstance(exc, grpc.aio.AioRpcError):  # a worker's status, passed on (retries spent)
         return _status(exc.code().value[0], exc.details() or exc.code().name)
-    if isinstance(exc, PreconditionError):
-        return _status(code_pb2.FAILED_PRECONDITION, str(exc))
+    for error_type, code in STATUS_CODES:
+        if isinstance(exc, error_type):
+            if code in _RETRY_LATER:
+                return _status(code, str(exc), _retry_info())
+            return _status(code, str(exc))
     log.error("unexpected error in a handler", exc_info=exc)
     return _status(code_pb2.INTERNAL, f"internal error ({type(exc).__name__})")
 

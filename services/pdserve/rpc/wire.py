@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from pdserve.api.v1 import common_pb2, decode_pb2
-from pdserve.engine.outputs import RequestOutput, TokenLogprobs
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.core.sampling_params import SamplingParams, TokenLogprobs
+from pdserve.engine.outputs import RequestOutput
 
 FINISH_REASONS = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,

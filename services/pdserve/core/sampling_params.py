@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.core.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
 
@@ -84,3 +85,41 @@ def _integer(name, value, low=None, high=None) -> None:
         raise _invalid(name, f"must be >= {low}, got {value}")
     if high is not None and value > high:
         raise _invalid(name, f"must be <= {high}, got {value}")
+
+
+def check_prompt_token_ids(
+    prompt: Sequence[int], vocab_size: int, field: str = "prompt_token_ids"
+) -> list[int]:
+    """The ids as a list, or InvalidRequestError naming the first bad one (`field[i]`)."""
+    ids = list(prompt)
+    if not ids:
+        raise InvalidRequestError(field, "must not be empty")
+    for i, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise InvalidRequestError(
+                f"{field}[{i}]", f"{token!r} is outside the vocabulary [0, {vocab_size})"
+            )
+    return ids
+
+
+def check_request(
+    prompt_ids: Sequence[int], params: SamplingParams, vocab_size: int, max_model_len: int
+) -> None:
+    """Sampling parameters valid, and prompt plus max_tokens inside the context window."""
+    params.validate(vocab_size)
+    n = len(prompt_ids)
+    if n >= max_model_len:
+        raise InvalidRequestError("prompt", f"{n} tokens; the context window is {max_model_len}")
+    if n + params.max_tokens > max_model_len:
+        raise InvalidRequestError(
+            "sampling_params.max_tokens",
+            f"{params.max_tokens} plus the {n}-token prompt exceeds the context window "
+            f"of {max_model_len}",
+        )
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float  # of token_id under the raw distribution
+    top: list[tuple[int, float]]  # params.logprobs (token_id, logprob) pairs, best first

@@ -1,0 +1,1 @@
+"""The gRPC edge: serving skeleton, servicer registration, errors to statuses, proto <-> domain."""
