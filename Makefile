@@ -13,11 +13,11 @@ PYTEST_ARGS ?=
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-8s %s\n", $$1, $$2}'
 
-setup:  ## create .venv, install torch and pdserve with dev extras
+setup:  ## create .venv, install torch and pdserve with the dev and bench extras
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,bench]'
 
 test:  ## run the test suite (real Redis, real gRPC, real torch)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
@@ -25,13 +25,14 @@ test:  ## run the test suite (real Redis, real gRPC, real torch)
 run:  ## pdserve up: Redis, 1 prefill + 1 decode worker and a router (Ctrl-C stops)
 	$(BIN)/pdserve up $(UP_ARGS)
 
-lint:  ## ruff check and format check
-	$(BIN)/ruff check services tests scripts
-	$(BIN)/ruff format --check services tests scripts
+lint:  ## ruff check and format check, pylint's duplicate-code check (config in pyproject.toml)
+	$(BIN)/ruff check services tests scripts bench
+	$(BIN)/ruff format --check services tests scripts bench
+	$(BIN)/pylint --disable=all --enable=duplicate-code --score=n services
 
 format:  ## apply ruff fixes and formatting
-	$(BIN)/ruff check --fix services tests scripts
-	$(BIN)/ruff format services tests scripts
+	$(BIN)/ruff check --fix services tests scripts bench
+	$(BIN)/ruff format services tests scripts bench
 
 protos:  ## regenerate the gRPC stubs in services/pdserve/api/v1
 	$(BIN)/python scripts/gen_protos.py --out services/pdserve/api/v1

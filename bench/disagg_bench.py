@@ -1,13 +1,15 @@
 """Disaggregated prefill -> decode on CPU, small demo model, float32 (issue 4).
 
-Two measurements, in one run, against real `pdserve serve` worker processes on loopback.
-Every torch side runs one thread, so each compute has the same one core.
+Two measurements, in one run, against real `pdserve serve` worker processes on loopback
+(a `LocalCluster` without its router). Every torch side runs one thread, so each compute
+has the same one core.
 
 1. Exposed KV transfer, 2,048-token prompt. This process is the prefill side: an
    LLMEngine and a KVPusher (the prefill worker's defaults for streams and message size)
    to a real `decode` worker, into a lease from its Admit. Two ways, alternated:
    - layer-wise overlap: `step()` with an `on_layer_done` that exports each finished
-     layer (`export_kv`) into a queue a pushing thread drains, as the prefill worker does;
+     layer (`LLMEngine.export_layer`) into a queue a pushing thread drains, as the
+     prefill worker does;
    - without overlap: `step()`, then export every layer and push.
    Compute ends when `step()` returns (first token sampled); the push is done when
    `KVPusher.push` returns, i.e. the decode worker has verified and imported every chunk.
@@ -16,9 +18,10 @@ Every torch side runs one thread, so each compute has the same one core.
    the CPU time of the engine thread during `step()` (work, as against waiting for the
    GIL or a core). Each run then commits the lease (which succeeds only if every layer's
    blocks arrived), releases it and waits until the decode worker is idle.
-2. TTFT, 512-token prompt: `disaggregated_generate` through a `prefill` and a `decode`
-   worker (Admit, Prefill, first delta) against `Generate` on a colocated `both` worker,
-   from the client's call to its first delta, over connections opened beforehand.
+2. TTFT, 512-token prompt: the router's hand-off client (`router.handoff.HandOff`)
+   through a `prefill` and a `decode` worker (Admit, Prefill, first delta) against
+   `Generate` on a colocated `both` worker, from the client's call to its first delta,
+   over connections opened beforehand.
    Each request then runs to its end (a few tokens) before the next starts.
 
 Both sides of each measurement alternate (a, b, b, a, ...) after untimed warm-ups, so a
@@ -38,39 +41,41 @@ import os
 import queue
 import random
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import grpc
 import torch
-from machine import cpu_model, machine_busy_seconds, others_line, process_cpu_seconds
 
-from pdserve.api.v1 import (
-    decode_pb2,
-    decode_pb2_grpc,
-    kv_transfer_pb2,
-    kv_transfer_pb2_grpc,
-    prefill_pb2_grpc,
+from pdserve.api.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
+from pdserve.bench.component import (
+    Ratio,
+    alternate,
+    greedy,
+    handoff_ttft,
+    p90,
+    print_table,
+    random_prompt,
+    timed_stream,
 )
-from pdserve.cluster.processes import ChildProcess, spawn, wait_ready
-from pdserve.core.sampling_params import SamplingParams
+from pdserve.bench.machine import CpuWindow, describe
+from pdserve.cluster.load import is_idle, wait_idle
+from pdserve.cluster.local import ClusterShape, LocalCluster
+from pdserve.cluster.processes import ChildProcess
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.demo_model import write_demo_model
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transfer import KVPusher, PushTotals, keep_freed_memory
+from pdserve.router.handoff import ChannelPool, HandOff
 from pdserve.rpc.wire import sampling_params_to_proto
-from pdserve.worker.handoff import disaggregated_generate
-from pdserve.worker.worker import WorkerConfig
+from pdserve.worker.config import WorkerConfig
 
 THREADS = 1  # torch threads of every engine, here and in the workers
 BLOCK_SIZE = 16
-# Prompt ids from the demo tokenizer's own range, past <unk>, <s>, </s>.
-FIRST_PROMPT_ID, PROMPT_ID_LIMIT = 3, 3000
+PROMPT_ID_LIMIT = 3000  # the demo tokenizer's own range
 PROMPT_SEED = 0
 # Enough blocks for one 2,048-token prompt plus its few new tokens, with room to spare.
 NUM_KV_BLOCKS = 160
@@ -80,8 +85,8 @@ HANDOFF_TOKENS = 2
 TTFT_NEW_TOKENS = 4
 IDLE_TIMEOUT_S = 10.0
 NOISY_SHARE = 0.05  # others' share of the machine above which the figures are noise
-
-T = TypeVar("T")
+EXPOSED_TARGET = 0.25  # exposed transfer, overlapped / not: a ceiling
+TTFT_TARGET = 1.15  # TTFT, disaggregated / colocated: a ceiling
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,98 +102,24 @@ FULL = Workload(2048, 512, transfer_repeats=7, ttft_repeats=15, warmups=2)
 QUICK = Workload(256, 64, transfer_repeats=2, ttft_repeats=3, warmups=1)
 
 
-@dataclass(frozen=True, slots=True)
-class Result:
-    metric: str
-    value: float
-    baseline: float
-    unit: str
-    target: float | None  # a ceiling on value / baseline; None: context, no target
-
-    @property
-    def ratio(self) -> float:
-        return self.value / self.baseline
-
-    @property
-    def met(self) -> bool:
-        return self.target is None or self.ratio <= self.target
-
-    def row(self) -> str:
-        target, met = "-", "-"
-        if self.target is not None:
-            target, met = f"<= {self.target:g}x", "yes" if self.met else "NO"
-        return (
-            f"| {self.metric} | {self.value:.1f} {self.unit} | {self.baseline:.1f} {self.unit} "
-            f"| {self.ratio:.2f}x | {target} | {met} |"
-        )
-
-
-def alternate(repeats: int, warmups: int, a: Callable[[], T], b: Callable[[], T]):
-    """`repeats` timed runs of each side in the order a b b a a b ..., after warm-ups."""
-    for _ in range(warmups):
-        a(), b()
-    a_runs, b_runs = [], []
-    for i in range(repeats):
-        pair = [(a, a_runs), (b, b_runs)]
-        for run, runs in pair if i % 2 == 0 else reversed(pair):
-            runs.append(run())
-    return a_runs, b_runs
-
-
-def p90(values: list[float]) -> float:
-    return statistics.quantiles(values, n=10, method="inclusive")[-1]
-
-
-def random_prompt(length: int, rng: random.Random) -> list[int]:
-    return [rng.randrange(FIRST_PROMPT_ID, PROMPT_ID_LIMIT) for _ in range(length)]
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def ms_ratio(metric: str, value_s: float, baseline_s: float, target: float | None = None):
+    """A row of the table: `value_s` against `baseline_s`, in ms; `target` is a ceiling."""
+    return Ratio(metric, value_s * 1e3, baseline_s * 1e3, "ms", target, higher_is_better=False)
 
 
 # -- worker processes -----------------------------------------------------------------------
 
 
-@contextmanager
-def worker_processes(roles: list[str], model_dir: Path, log_dir: Path):
-    """Start `pdserve serve ROLE` for every role at once; yield them when all are ready."""
-    with ExitStack() as stack:
-        children = []
-        for i, role in enumerate(roles):
-            child = spawn(
-                f"{role}-{i}",
-                [
-                    "serve",
-                    role,
-                    "--model",
-                    str(model_dir),
-                    "--port",
-                    "0",
-                    "--device",
-                    "cpu",
-                    "--threads",
-                    str(THREADS),
-                    "--num-kv-blocks",
-                    str(NUM_KV_BLOCKS),
-                ],
-                str(log_dir),
-            )
-            stack.callback(child.stop)
-            children.append(child)
-        yield [wait_ready(child) for child in children]
-
-
-def wait_idle(decode: decode_pb2_grpc.DecodeStub) -> None:
-    """Until the decode worker runs nothing, holds no lease and has every block free."""
-    deadline = time.monotonic() + IDLE_TIMEOUT_S
-    while time.monotonic() < deadline:
-        load = decode.GetLoad(decode_pb2.GetLoadRequest(), timeout=5)
-        busy = load.running or load.waiting or load.open_leases
-        if not busy and load.free_blocks == load.total_blocks:
-            return
-        time.sleep(0.01)
-    raise RuntimeError(f"decode worker not idle after {IDLE_TIMEOUT_S} s: {load}")
+def workers(model_dir: Path, log_dir: Path) -> LocalCluster:
+    """A prefill, a decode and a colocated worker, on CPU; no router, no Redis."""
+    return LocalCluster(
+        str(model_dir),
+        ClusterShape(prefill=1, decode=1, colocated=1),
+        log_dir,
+        threads=THREADS,
+        worker_args=["--device", "cpu", "--num-kv-blocks", str(NUM_KV_BLOCKS)],
+        with_router=False,
+    )
 
 
 # -- 1. exposed KV transfer -----------------------------------------------------------------
@@ -228,7 +159,8 @@ class PrefillSide:
     """This process as a prefill worker: an engine and a pusher into a decode worker."""
 
     def __init__(self, model_dir: Path, decode_address: str):
-        config = WorkerConfig(role="prefill", model=str(model_dir))  # the worker's defaults
+        # the worker's defaults for KV streams and message size
+        config = WorkerConfig("prefill", EngineConfig(str(model_dir), device="cpu"))
         self.engine = LLMEngine.from_pretrained(
             model_dir,
             device="cpu",
@@ -243,6 +175,7 @@ class PrefillSide:
             num_streams=config.kv_streams,
             max_message_bytes=config.max_message_bytes,
         )
+        self.decode_address = decode_address
         self.channel = grpc.insecure_channel(decode_address)
         self.decode = decode_pb2_grpc.DecodeStub(self.channel)
         self.kv = kv_transfer_pb2_grpc.KVTransferStub(self.channel)
@@ -264,7 +197,7 @@ class PrefillSide:
             is_last = layer == self.num_layers - 1
             if is_last:
                 last_layer_done = time.perf_counter()
-            chunks.put((0, self.engine.export_kv(request_id, layer, len(prompt))))
+            chunks.put(self._export(layer, plan, request_id))
             if is_last:
                 chunks.put(None)  # the end, as the worker's EXPORT_DONE
 
@@ -279,17 +212,20 @@ class PrefillSide:
     def serial(self, prompt: list[int]) -> TransferRun:
         """Compute the whole prompt, then export layer after layer and push."""
         lease_id, request_id = self._begin(prompt)
+        plans = []  # the step's plan, to export its layers by once it is over
         start, cpu_start = time.perf_counter(), time.thread_time()
-        first = self._first_token(self.engine.step())
+        first = self._first_token(self.engine.step(lambda layer, plan: plans.append(plan)))
         compute_end, cpu_s = time.perf_counter(), time.thread_time() - cpu_start
-        chunks = (
-            (0, self.engine.export_kv(request_id, layer, len(prompt)))
-            for layer in range(self.num_layers)
-        )
+        chunks = (self._export(layer, plans[0], request_id) for layer in range(self.num_layers))
         pushed_at, totals = self._timed_push(lease_id, chunks)
         self._end(lease_id, request_id, first)
         # Nothing leaves before step() returns: the push starts from its end.
         return TransferRun(start, compute_end, compute_end, pushed_at, cpu_s, totals)
+
+    def _export(self, layer: int, plan, request_id: str):
+        """(first block, chunk) of the request's whole prompt in `layer`, for the pusher."""
+        [export] = self.engine.export_layer(layer, plan, {request_id: 0})
+        return export.first_block, export.chunk
 
     def _begin(self, prompt: list[int]) -> tuple[str, str]:
         lease = self.decode.Admit(
@@ -316,17 +252,12 @@ class PrefillSide:
         commit = kv_transfer_pb2.CommitKVRequest(lease_id=lease_id, first_token_id=first_token)
         self.kv.CommitKV(commit, timeout=10)
         self.decode.Release(decode_pb2.ReleaseRequest(lease_id=lease_id), timeout=10)
-        wait_idle(self.decode)
+        load = wait_idle(self.decode_address, "decode", IDLE_TIMEOUT_S)
+        if not is_idle(load):
+            raise RuntimeError(f"decode worker not idle after {IDLE_TIMEOUT_S} s: {load}")
 
 
-def bench_transfer(side: PrefillSide, w: Workload, rng: random.Random) -> list[Result]:
-    n = w.transfer_prompt_len
-    overlapped, serial = alternate(
-        w.transfer_repeats,
-        w.warmups,
-        lambda: side.overlapped(random_prompt(n, rng)),
-        lambda: side.serial(random_prompt(n, rng)),
-    )
+def print_transfer_runs(side: PrefillSide, n: int, overlapped, serial) -> None:
     totals = {run.totals for run in overlapped + serial}
     pusher = side.pusher
     print(
@@ -334,26 +265,35 @@ def bench_transfer(side: PrefillSide, w: Workload, rng: random.Random) -> list[R
         f"messages up to {pusher.max_message_bytes >> 20} MiB"
     )
     for name, runs in (("overlapped", overlapped), ("without overlap", serial)):
-        print(
-            f"{name} runs, ms (compute, exposed, last layer -> pushed): "
-            + ", ".join(
-                f"({r.compute_s * 1e3:.0f}, {r.exposed_s * 1e3:.1f}, {r.after_last_layer_s * 1e3:.1f})"
-                for r in runs
-            )
+        times = ", ".join(
+            f"({r.compute_s * 1e3:.0f}, {r.exposed_s * 1e3:.1f}, {r.after_last_layer_s * 1e3:.1f})"
+            for r in runs
         )
+        print(f"{name} runs, ms (compute, exposed, last layer -> pushed): {times}")
 
-    def row(metric: str, figure: Callable[[TransferRun], float], target=None) -> Result:
+
+def bench_transfer(side: PrefillSide, w: Workload, rng: random.Random) -> list[Ratio]:
+    n = w.transfer_prompt_len
+    overlapped, serial = alternate(
+        w.transfer_repeats,
+        w.warmups,
+        lambda: side.overlapped(random_prompt(n, rng, PROMPT_ID_LIMIT)),
+        lambda: side.serial(random_prompt(n, rng, PROMPT_ID_LIMIT)),
+    )
+    print_transfer_runs(side, n, overlapped, serial)
+
+    def row(metric: str, figure: Callable[[TransferRun], float], target=None) -> Ratio:
         value, baseline = (
-            statistics.median(figure(r) for r in runs) * 1e3 for runs in (overlapped, serial)
+            statistics.median(figure(r) for r in runs) for runs in (overlapped, serial)
         )
-        return Result(metric, value, baseline, unit="ms", target=target)
+        return ms_ratio(metric, value, baseline, target)
 
     return [
         row(
             f"KV transfer exposed after prefill compute ends, {n}-token prompt "
             "(layer-wise overlap vs none)",
             lambda r: r.exposed_s,
-            target=0.25,
+            target=EXPOSED_TARGET,
         ),
         row(
             "KV transfer after the last layer is computed (overlap vs none)",
@@ -377,118 +317,89 @@ def bench_transfer(side: PrefillSide, w: Workload, rng: random.Random) -> list[R
 # -- 2. TTFT --------------------------------------------------------------------------------
 
 
-async def disaggregated_ttft(prefill, decode, decode_address: str, prompt: list[int]) -> float:
+async def colocated_ttft(both: decode_pb2_grpc.DecodeStub, prompt: list[int], sampling) -> float:
+    request = decode_pb2.LocalGenerateRequest(prompt_token_ids=prompt, sampling=sampling)
+    ttft, _ = await timed_stream(lambda: both.Generate(request))
+    return ttft
+
+
+def measure_ttft(prefill: str, decode: str, both: str, w: Workload, rng: random.Random):
+    """TTFTs (seconds) disaggregated and colocated, alternated on one event loop: the
+    channels stay open across runs. The i-th runs of both sides get the same fresh prompt;
+    each worker sees it once."""
     sampling = sampling_params_to_proto(greedy(TTFT_NEW_TOKENS))
-    start = time.perf_counter()
-    first_at = None
-    async for _ in disaggregated_generate(prefill, decode, decode_address, prompt, sampling):
-        first_at = first_at or time.perf_counter()
-    return first_at - start
-
-
-async def colocated_ttft(both: decode_pb2_grpc.DecodeStub, prompt: list[int]) -> float:
-    request = decode_pb2.LocalGenerateRequest(
-        prompt_token_ids=prompt, sampling=sampling_params_to_proto(greedy(TTFT_NEW_TOKENS))
-    )
-    start = time.perf_counter()
-    first_at = None
-    async for _ in both.Generate(request):
-        first_at = first_at or time.perf_counter()
-    return first_at - start
-
-
-def bench_ttft(
-    prefill: ChildProcess,
-    decode: ChildProcess,
-    both: ChildProcess,
-    w: Workload,
-    rng: random.Random,
-) -> list[Result]:
-    n = w.ttft_prompt_len
-    with asyncio.Runner() as runner:  # one loop: the channels stay open across runs
-        channels = [grpc.aio.insecure_channel(p.address) for p in (prefill, decode, both)]
-        prefill_stub = prefill_pb2_grpc.PrefillStub(channels[0])
-        decode_stub = decode_pb2_grpc.DecodeStub(channels[1])
-        both_stub = decode_pb2_grpc.DecodeStub(channels[2])
-        # The i-th run of each side gets the same fresh prompt; each worker sees it once.
-        prompts = [random_prompt(n, rng) for _ in range(w.warmups + w.ttft_repeats)]
-        disaggregated_prompts, colocated_prompts = iter(prompts), iter(prompts)
+    prompts = [
+        random_prompt(w.ttft_prompt_len, rng, PROMPT_ID_LIMIT)
+        for _ in range(w.warmups + w.ttft_repeats)
+    ]
+    disaggregated_prompts, colocated_prompts = iter(prompts), iter(prompts)
+    with asyncio.Runner() as runner:
+        channels = ChannelPool()  # the router's hand-off client, its channels kept warm
+        handoff = HandOff(channels)
+        both_stub = decode_pb2_grpc.DecodeStub(channels.get(both))
         disaggregated, colocated = alternate(
             w.ttft_repeats,
             w.warmups,
             lambda: runner.run(
-                disaggregated_ttft(
-                    prefill_stub, decode_stub, decode.address, next(disaggregated_prompts)
-                )
+                handoff_ttft(handoff, prefill, decode, next(disaggregated_prompts), sampling)
             ),
-            lambda: runner.run(colocated_ttft(both_stub, next(colocated_prompts))),
+            lambda: runner.run(colocated_ttft(both_stub, next(colocated_prompts), sampling)),
         )
-        for channel in channels:
-            runner.run(channel.close())
+        runner.run(handoff.close())
+        runner.run(channels.close())
+    return disaggregated, colocated
+
+
+def bench_ttft(workers: dict[str, ChildProcess], w: Workload, rng: random.Random) -> list[Ratio]:
+    n = w.ttft_prompt_len
+    disaggregated, colocated = measure_ttft(
+        workers["prefill"].address, workers["decode"].address, workers["both"].address, w, rng
+    )
     print("TTFT disaggregated ms: " + ", ".join(f"{s * 1e3:.0f}" for s in disaggregated))
     print("TTFT colocated ms:     " + ", ".join(f"{s * 1e3:.0f}" for s in colocated))
     # Runs i of the two sides ran next to each other and saw the same state of the machine.
     paired = statistics.median(d / c for d, c in zip(disaggregated, colocated, strict=True))
     print(f"TTFT ratio, median of the paired ratios: {paired:.2f}x")
     return [
-        Result(
+        ms_ratio(
             f"TTFT, {n}-token prompt, median (prefill + decode workers vs one `both` worker)",
-            statistics.median(disaggregated) * 1e3,
-            statistics.median(colocated) * 1e3,
-            unit="ms",
-            target=1.15,
+            statistics.median(disaggregated),
+            statistics.median(colocated),
+            target=TTFT_TARGET,
         ),
-        Result(
-            f"TTFT, {n}-token prompt, p90",
-            p90(disaggregated) * 1e3,
-            p90(colocated) * 1e3,
-            unit="ms",
-            target=None,
-        ),
-        Result(
-            f"TTFT, {n}-token prompt, best of {w.ttft_repeats}",
-            min(disaggregated) * 1e3,
-            min(colocated) * 1e3,
-            unit="ms",
-            target=None,
+        ms_ratio(f"TTFT, {n}-token prompt, p90", p90(disaggregated), p90(colocated)),
+        ms_ratio(
+            f"TTFT, {n}-token prompt, best of {w.ttft_repeats}", min(disaggregated), min(colocated)
         ),
     ]
 
 
-# -- machine --------------------------------------------------------------------------------
-
-
-class CpuWatch:
-    """CPU time other processes took while we ran (this one and the workers excluded).
-
-    From /proc (Linux only). On a 2-core machine one busy neighbour takes a whole core
-    from the three computing threads here and makes every figure noise.
-    """
-
-    def __init__(self, pids: list[int]) -> None:
-        self.pids = [os.getpid(), *pids]
-        self.start = (self._others_seconds(), time.perf_counter())
-
-    def report(self) -> str:
-        others0, wall0 = self.start
-        others1 = self._others_seconds()
-        if others0 is None or others1 is None:
-            return "CPU use of other processes: unknown (no /proc)"
-        others = max(0.0, others1 - others0)
-        return others_line(others, time.perf_counter() - wall0, NOISY_SHARE)
-
-    def _others_seconds(self) -> float | None:
-        busy = machine_busy_seconds()
-        if busy is None:
-            return None
-        return busy - sum(process_cpu_seconds(pid) or 0.0 for pid in self.pids)
+# -- the run --------------------------------------------------------------------------------
 
 
 def machine_line() -> str:
-    return (
-        f"{os.cpu_count()} cores, {cpu_model()}; Python {sys.version.split()[0]}, "
-        f"torch {torch.__version__}, grpcio {grpc.__version__}; {THREADS} torch thread per engine"
+    return describe(
+        f"torch {torch.__version__}, grpcio {grpc.__version__}",
+        f"{THREADS} torch thread per engine",
     )
+
+
+def run_all(model_dir: Path, w: Workload, log_dir: Path) -> list[Ratio]:
+    """Both measurements against one set of workers, and how quiet the machine was."""
+    rng = random.Random(PROMPT_SEED)
+    with workers(model_dir, log_dir) as cluster:
+        by_role = {child.fields["role"]: child for child in cluster.children}
+        print(machine_line())
+        pids = {"bench": os.getpid()} | {role: c.proc.pid for role, c in by_role.items()}
+        with CpuWindow(pids) as window:
+            side = PrefillSide(model_dir, by_role["decode"].address)
+            try:
+                results = bench_transfer(side, w, rng)
+            finally:
+                side.close()
+            results += bench_ttft(by_role, w, rng)
+        print(window.others_line(NOISY_SHARE))
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -501,28 +412,14 @@ def main(argv: list[str] | None = None) -> int:
     w = QUICK if args.quick else FULL
     torch.set_num_threads(THREADS)
     keep_freed_memory()  # as the workers do: KV messages are MBs each
-    rng = random.Random(PROMPT_SEED)
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pdserve-disagg-bench-") as tmp:
         model_dir = args.model_dir or Path(tmp) / "demo-small"
         if not (model_dir / "config.json").is_file():
             write_demo_model(model_dir, size="small", seed=0)
-        roles = ["decode", "prefill", "both"]
-        with worker_processes(roles, model_dir, Path(tmp)) as (decode, prefill, both):
-            print(machine_line())
-            watch = CpuWatch([p.proc.pid for p in (decode, prefill, both)])
-            side = PrefillSide(model_dir, decode.address)
-            try:
-                results = bench_transfer(side, w, rng)
-            finally:
-                side.close()
-            results += bench_ttft(prefill, decode, both, w, rng)
-            print(watch.report())
+        results = run_all(model_dir, w, Path(tmp))
     print(f"whole run: {time.perf_counter() - began:.0f} s")
-    print("\n| metric | value | baseline | ratio | target | met? |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for result in results:
-        print(result.row())
+    print_table(("metric", "value", "baseline", "ratio", "target", "met?"), results)
     return 0
 
 

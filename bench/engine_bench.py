@@ -31,7 +31,7 @@ not enforced.
 from __future__ import annotations
 
 import argparse
-import platform
+import os
 import random
 import statistics
 import tempfile
@@ -43,16 +43,17 @@ from typing import TypeVar
 
 import torch
 import transformers
-from machine import cpu_model, machine_busy_seconds, others_line
 from transformers.generation.streamers import BaseStreamer
 
-from pdserve.core.sampling_params import SamplingParams
+from pdserve.bench.component import Ratio, alternate, greedy, print_table, random_prompt
+from pdserve.bench.machine import CpuWindow, describe
+from pdserve.core.block_hash import num_blocks_for
 from pdserve.engine.demo_model import write_demo_model
 from pdserve.engine.llm_engine import LLMEngine
 
 # Prompt ids are drawn from the tokenizer's own range (the demo tokenizer has ~3.2k tokens
-# in a 32000-row embedding), past <unk>, <s>, </s>, so the detokenizer sees real tokens.
-FIRST_PROMPT_ID, PROMPT_ID_LIMIT = 3, 3000
+# in a 32000-row embedding), so the detokenizer sees real tokens.
+PROMPT_ID_LIMIT = 3000
 PROMPT_SEED = 0
 BLOCK_SIZE = 16
 # Above this share of the machine taken by other processes, the run says its figures are noise.
@@ -76,54 +77,14 @@ FULL = Workload(32, 128, 16, 128, 64, 512, repeats=5)
 QUICK = Workload(16, 16, 4, 32, 8, 128, repeats=2)
 
 
-@dataclass(frozen=True, slots=True)
-class Result:
-    metric: str
-    ours: float
-    theirs: float
-    unit: str
-    # for ours / theirs; None: the row is context, with no target
-    target: float | None
-    higher_is_better: bool = True  # the target is a floor; else a ceiling
-
-    @property
-    def ratio(self) -> float:
-        return self.ours / self.theirs
-
-    @property
-    def met(self) -> bool:
-        if self.target is None:
-            return True
-        return self.ratio >= self.target if self.higher_is_better else self.ratio <= self.target
-
-    def row(self) -> str:
-        target, met = "-", "-"
-        if self.target is not None:
-            target = f"{'>=' if self.higher_is_better else '<='} {self.target:g}x"
-            met = "yes" if self.met else "NO"
-        return (
-            f"| {self.metric} | {self.ours:.1f} {self.unit} | {self.theirs:.1f} {self.unit} "
-            f"| {self.ratio:.2f}x | {target} | {met} |"
-        )
-
-
 # -- timing ---------------------------------------------------------------------------------
 
 
 def paired_runs(
     repeats: int, ours: Callable[[], T], theirs: Callable[[], T]
 ) -> tuple[list[T], list[T]]:
-    """`repeats` timed runs of each side, after one untimed warm-up of each.
-
-    The runs alternate (ours, theirs, theirs, ours, ...) so that a slow spell of the machine
-    (another process, a frequency change) lands on both sides rather than on one.
-    """
-    ours(), theirs()
-    ours_runs, theirs_runs = [], []
-    for i in range(repeats):
-        pair = [(ours, ours_runs), (theirs, theirs_runs)]
-        for run, runs in pair if i % 2 == 0 else reversed(pair):
-            runs.append(run())
+    """`repeats` timed runs of each side, alternated, after one untimed warm-up of each."""
+    ours_runs, theirs_runs = alternate(repeats, 1, ours, theirs)
     return ours_runs, theirs_runs
 
 
@@ -131,30 +92,12 @@ def median_of(figure: Callable[[T], float], runs: list[T]) -> float:
     return statistics.median(figure(run) for run in runs)
 
 
-class CpuWatch:
-    """How much CPU other processes took while we ran, from /proc/stat (Linux only).
-
-    On a 2-core machine one busy neighbour halves what both sides get and makes every
-    figure noise, so the report says how quiet the machine was.
-    """
-
-    def __init__(self) -> None:
-        self.start = (machine_busy_seconds(), time.process_time(), time.perf_counter())
-
-    def report(self) -> str:
-        busy0, own0, wall0 = self.start
-        busy1 = machine_busy_seconds()
-        if busy0 is None or busy1 is None:
-            return "CPU use of other processes: unknown (no /proc/stat)"
-        others = max(0.0, (busy1 - busy0) - (time.process_time() - own0))
-        return others_line(others, time.perf_counter() - wall0, NOISY_SHARE)
-
-
 def watched(label: str, run: Callable[[], T]) -> T:
-    """Run one measurement and say how quiet the machine was meanwhile."""
-    watch = CpuWatch()
-    result = run()
-    print(f"{label}: {watch.report()}")
+    """Run one measurement and say how quiet the machine was meanwhile: on a 2-core
+    machine one busy neighbour halves what both sides get and makes every figure noise."""
+    with CpuWindow({"bench": os.getpid()}) as window:
+        result = run()
+    print(f"{label}: {window.others_line(NOISY_SHARE)}")
     return result
 
 
@@ -175,10 +118,6 @@ class FirstTokenClock(BaseStreamer):
 
 
 # -- the two sides --------------------------------------------------------------------------
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +192,7 @@ def whole_call_tokens_per_s(run: RunResult) -> float:
     return sum(len(t) for t in run.tokens) / run.total_s
 
 
-def bench_batch1(engine, model, w: Workload, prompt: list[int]) -> tuple[list[Result], bool]:
+def bench_batch1(engine, model, w: Workload, prompt: list[int]) -> tuple[list[Ratio], bool]:
     n = w.decode_new_tokens
     ours, theirs = paired_runs(
         w.repeats,
@@ -266,14 +205,14 @@ def bench_batch1(engine, model, w: Workload, prompt: list[int]) -> tuple[list[Re
     agree = next((i for i, (a, b) in enumerate(pairs) if a != b), n)
     print(f"batch-1 greedy outputs identical: {same} ({agree}/{n} tokens before any difference)")
     results = [
-        Result(
+        Ratio(
             f"batch-1 decode tokens/s (prompt {w.decode_prompt_len}, {n} new)",
             median_of(decode_tokens_per_s, ours),
             median_of(decode_tokens_per_s, theirs),
             unit="tok/s",
             target=1.5,
         ),
-        Result(
+        Ratio(
             "batch-1 whole-call tokens/s (prefill included)",
             median_of(whole_call_tokens_per_s, ours),
             median_of(whole_call_tokens_per_s, theirs),
@@ -284,7 +223,7 @@ def bench_batch1(engine, model, w: Workload, prompt: list[int]) -> tuple[list[Re
     return results, same
 
 
-def bench_concurrent(engine, model, w: Workload, prompts: list[list[int]]) -> Result:
+def bench_concurrent(engine, model, w: Workload, prompts: list[list[int]]) -> Ratio:
     n = w.batch_new_tokens
     ours, theirs = paired_runs(
         w.repeats,
@@ -296,7 +235,7 @@ def bench_concurrent(engine, model, w: Workload, prompts: list[list[int]]) -> Re
         f"batch-{len(prompts)} greedy outputs identical: "
         f"{sum(a == b for a, b in pairs)}/{len(prompts)} requests"
     )
-    return Result(
+    return Ratio(
         f"{w.batch_size} concurrent output tokens/s (prompt {w.batch_prompt_len}, {n} new)",
         median_of(whole_call_tokens_per_s, ours),
         median_of(whole_call_tokens_per_s, theirs),
@@ -305,13 +244,13 @@ def bench_concurrent(engine, model, w: Workload, prompts: list[list[int]]) -> Re
     )
 
 
-def bench_prefill(engine, model, w: Workload, prompt: list[int]) -> Result:
+def bench_prefill(engine, model, w: Workload, prompt: list[int]) -> Ratio:
     ours, theirs = paired_runs(
         w.repeats,
         lambda: engine_run(engine, [prompt], 1).total_s,
         lambda: hf_prefill_seconds(model, prompt),
     )
-    return Result(
+    return Ratio(
         f"prefill {w.prefill_len} tokens, time to first token",
         statistics.median(ours) * 1e3,
         statistics.median(theirs) * 1e3,
@@ -325,9 +264,7 @@ def bench_prefill(engine, model, w: Workload, prompt: list[int]) -> Result:
 
 
 def random_prompts(num: int, length: int, rng: random.Random) -> list[list[int]]:
-    return [
-        [rng.randrange(FIRST_PROMPT_ID, PROMPT_ID_LIMIT) for _ in range(length)] for _ in range(num)
-    ]
+    return [random_prompt(length, rng, PROMPT_ID_LIMIT) for _ in range(num)]
 
 
 def build_engine(model_dir: Path, w: Workload) -> LLMEngine:
@@ -336,7 +273,7 @@ def build_engine(model_dir: Path, w: Workload) -> LLMEngine:
         w.prefill_len + 1,
         w.batch_prompt_len + w.batch_new_tokens,
     )
-    blocks_per_request = -(-longest // BLOCK_SIZE)
+    blocks_per_request = num_blocks_for(longest, BLOCK_SIZE)
     return LLMEngine.from_pretrained(
         model_dir,
         device="cpu",
@@ -358,14 +295,14 @@ def build_hf_model(model_dir: Path):
 
 
 def machine_line(threads: int, model) -> str:
-    cpu = cpu_model(platform.processor() or "unknown CPU")
-    return (
-        f"{cpu}; torch {torch.__version__}, transformers {transformers.__version__} "
-        f"(attention: {model.config._attn_implementation}); {threads} threads"
+    return describe(
+        f"torch {torch.__version__}, transformers {transformers.__version__} "
+        f"(attention: {model.config._attn_implementation})",
+        f"{threads} threads",
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2, help="torch threads for both sides")
     parser.add_argument("--quick", action="store_true", help="small smoke version")
@@ -373,7 +310,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model-dir", type=Path, help="reuse or create the demo model here (default: a temp dir)"
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def run_all(model_dir: Path, w: Workload, threads: int) -> tuple[list[Ratio], bool]:
+    """The three measurements; also whether the batch-1 greedy outputs were identical."""
+    engine, model = build_engine(model_dir, w), build_hf_model(model_dir)
+    print(machine_line(threads, model))
+    rng = random.Random(PROMPT_SEED)
+    decode_prompt = random_prompts(1, w.decode_prompt_len, rng)[0]
+    batch_prompts = random_prompts(w.batch_size, w.batch_prompt_len, rng)
+    prefill_prompt = random_prompts(1, w.prefill_len, rng)[0]
+    batch1, identical = watched("batch-1", lambda: bench_batch1(engine, model, w, decode_prompt))
+    return batch1 + [
+        watched("concurrent", lambda: bench_concurrent(engine, model, w, batch_prompts)),
+        watched("prefill", lambda: bench_prefill(engine, model, w, prefill_prompt)),
+    ], identical
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     w = QUICK if args.quick else FULL
     if args.repeats is not None:
@@ -383,23 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = args.model_dir or Path(tmp) / "demo-small"
         if not (model_dir / "config.json").is_file():
             write_demo_model(model_dir, size="small", seed=0)
-        engine, model = build_engine(model_dir, w), build_hf_model(model_dir)
-        print(machine_line(args.threads, model))
-        rng = random.Random(PROMPT_SEED)
-        decode_prompt = random_prompts(1, w.decode_prompt_len, rng)[0]
-        batch_prompts = random_prompts(w.batch_size, w.batch_prompt_len, rng)
-        prefill_prompt = random_prompts(1, w.prefill_len, rng)[0]
-        batch1, identical = watched(
-            "batch-1", lambda: bench_batch1(engine, model, w, decode_prompt)
-        )
-        results = batch1 + [
-            watched("concurrent", lambda: bench_concurrent(engine, model, w, batch_prompts)),
-            watched("prefill", lambda: bench_prefill(engine, model, w, prefill_prompt)),
-        ]
-    print("\n| metric | pdserve | transformers | ratio | target | met? |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for result in results:
-        print(result.row())
+        results, identical = run_all(model_dir, w, args.threads)
+    print_table(("metric", "pdserve", "transformers", "ratio", "target", "met?"), results)
     return 0 if identical else 1
 
 

@@ -40,9 +40,11 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from machine import machine_busy_seconds, others_line, process_cpu_seconds
 
 from pdserve.api.v1.kv_transfer_pb2_grpc import add_KVTransferServicer_to_server
+from pdserve.bench.component import alternate
+from pdserve.bench.machine import CpuWindow, describe, process_cpu_seconds
+from pdserve.core.block_hash import num_blocks_for
 from pdserve.core.kv_chunk import KVLayerChunk, crc32
 from pdserve.kv.transfer import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -132,7 +134,7 @@ def receiver_main(ports, keep_memory: bool) -> None:
 
 def make_layers(prompt_tokens: int, seed: int = 0) -> list[KVLayerChunk]:
     """One prompt's KV, as the engine's export_layer makes it (bytes and crc32)."""
-    shape = (2, -(-prompt_tokens // BLOCK_SIZE), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (2, num_blocks_for(prompt_tokens, BLOCK_SIZE), BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     rng = np.random.default_rng(seed)
     layers = []
     for layer in range(NUM_LAYERS):
@@ -180,6 +182,10 @@ class Clock:
         send()
         return Run(time.perf_counter() - start, self.cpu_seconds() - cpu)
 
+    def timed(self, send: Callable[[], None]) -> Callable[[], Run]:
+        """`send`, timed by this clock when called."""
+        return lambda: self.time(send)
+
 
 @dataclass(frozen=True, slots=True)
 class Throughput:
@@ -201,35 +207,11 @@ class Throughput:
 
 
 def alternating_runs(repeats: int, clock: Clock, sends: list[Callable[[], None]]):
-    """`repeats` timed runs of each after one untimed warm-up, in a rotating order.
-
-    The rotation spreads a slow spell of the machine (another process, a frequency
-    change) over all sides rather than one.
-    """
-    for send in sends:
+    """`repeats` timed runs of each after one untimed warm-up, in a rotating order
+    (`alternate`): a slow spell of the machine lands on every side rather than one."""
+    for send in sends:  # untimed
         send()
-    runs: list[list[Run]] = [[] for _ in sends]
-    for i in range(repeats):
-        for j in range(len(sends)):
-            k = (i + j) % len(sends)
-            runs[k].append(clock.time(sends[k]))
-    return runs
-
-
-class CpuWatch:
-    """CPU that processes other than ours (this one and the receiver) took meanwhile."""
-
-    def __init__(self, clock: Clock) -> None:
-        self.clock = clock
-        self.start = (machine_busy_seconds(), clock.cpu_seconds(), time.perf_counter())
-
-    def report(self) -> str:
-        busy0, ours0, wall0 = self.start
-        busy1 = machine_busy_seconds()
-        if busy0 is None or busy1 is None:
-            return "CPU use of other processes: unknown (no /proc/stat)"
-        others = max(0.0, (busy1 - busy0) - (self.clock.cpu_seconds() - ours0))
-        return others_line(others, time.perf_counter() - wall0, NOISY_SHARE)
+    return alternate(repeats, 0, *(clock.timed(send) for send in sends))
 
 
 # -- the report -----------------------------------------------------------------------------
@@ -271,8 +253,9 @@ def headline(clock: Clock, ports: dict[str, int], layers, rounds: int, num_promp
             f"| {protobuf.gb_per_s:.2f} | {protobuf.spread} "
             f"| {protobuf.gb_per_s / raw.gb_per_s:.2f} | {protobuf.cpu_per_gb:.2f} |",
             "",
-            f"Target >= {TARGET_RATIO:.0%} of raw TCP: {'met' if ratio >= TARGET_RATIO else 'NOT met'}."
-            " Per-round ratios: " + ", ".join(f"{r:.2f}" for r in per_round),
+            f"Target >= {TARGET_RATIO:.0%} of raw TCP: "
+            f"{'met' if ratio >= TARGET_RATIO else 'NOT met'}. Per-round ratios: "
+            + ", ".join(f"{r:.2f}" for r in per_round),
         ]
     )
 
@@ -326,16 +309,18 @@ def main(argv: list[str] | None = None) -> int:
         ports = dict(zip(("raw", "zero-copy", "generated"), parent_end.recv(), strict=True))
         layers = make_layers(args.prompt_tokens)
         print(
-            f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-            f"grpcio {grpc.__version__}, crc32 from {crc32.__module__}, "
-            f"keep_freed_memory={args.keep_memory}\n"
+            describe(
+                f"{platform.machine()}, grpcio {grpc.__version__}",
+                f"crc32 from {crc32.__module__}",
+                f"keep_freed_memory={args.keep_memory}\n",
+            )
         )
         clock = Clock(receiver.pid)
-        watch = CpuWatch(clock)
-        print(headline(clock, ports, layers, rounds, prompts), end="\n\n")
-        repeats = 1 if args.quick else 3
-        print(sweep(clock, ports["zero-copy"], layers, repeats, sweep_prompts), end="\n\n")
-        print(watch.report())
+        with CpuWindow({"sender": os.getpid(), "receiver": receiver.pid}) as window:
+            print(headline(clock, ports, layers, rounds, prompts), end="\n\n")
+            repeats = 1 if args.quick else 3
+            print(sweep(clock, ports["zero-copy"], layers, repeats, sweep_prompts), end="\n\n")
+        print(window.others_line(NOISY_SHARE))
     finally:
         parent_end.close()
         receiver.join(timeout=10)

@@ -1,22 +1,22 @@
 """Router overhead and relay throughput, tiny demo model on CPU (issue 5).
 
 Real `pdserve` processes on loopback: a private Redis, one `prefill` worker and one
-or more `decode` workers (one torch thread each), and a `pdserve router` with static
-discovery over them. This process is the client. With two cores or more, the router
-is pinned to core 0 and everything else (workers, Redis, this client) to core 1, so
-the router's core is its own (other users of the machine aside: the load average and
-their CPU share are printed with the figures).
+or more `decode` workers (one torch thread each, a `LocalCluster` without its router),
+and a `pdserve router` with static discovery over them. This process is the client.
+With two cores or more, the router is pinned to core 0 and everything else (workers,
+Redis, this client) to core 1, so the router's core is its own (other users of the
+machine aside: the load average and their CPU share are printed with the figures).
 
 1. Router overhead. TTFT, from the call to the first delta, of one request at a time:
-   through the router's `Generate` against `disaggregated_generate` (Admit, Stream,
-   Prefill) called on the same prefill and decode workers directly, over channels
-   opened beforehand. Short prompts of fresh random ids (shorter than a KV block, so
-   no prefix-cache hit), a few new tokens, each request run to its end before the
-   next. The two sides alternate (a b b a ...) after untimed warm-ups, so drift lands
-   on both. The overhead is the difference of the medians (and of the p90s). For
-   context: the median of the paired differences, the router's own TTFT (its
-   `timings.ttft_ms`: handler entered -> Prefill returned), its CPU per request, and
-   a unary round trip to it (ModelInfo: the extra hop alone).
+   through the router's `Generate` against the router's own hand-off client
+   (`router.handoff.HandOff`: Admit, Relay, Prefill) called on the same prefill and
+   decode workers directly, over channels opened beforehand. Short prompts of fresh
+   random ids (shorter than a KV block, so no prefix-cache hit), a few new tokens, each
+   request run to its end before the next. The two sides alternate (a b b a ...) after
+   untimed warm-ups, so drift lands on both. The overhead is the difference of the
+   medians (and of the p90s). For context: the median of the paired differences, the
+   router's own TTFT (its `timings.ttft_ms`: handler entered -> Prefill returned), its
+   CPU per request, and a unary round trip to it (ModelInfo: the extra hop alone).
 2. Relay throughput. A second router over the prefill worker and every decode
    worker; many concurrent streams of long greedy generations (ignore_eos). The
    router's CPU time (utime + stime of its process, every thread, from /proc) over the
@@ -25,7 +25,7 @@ their CPU share are printed with the figures).
    not) and every other process's CPU per token for context.
 
     .venv/bin/python bench/router_bench.py [--quick] [--model-dir DIR] [--profile PATH]
-        [--stream-interval TOKENS]
+        [--stream-interval TOKENS] [--router-cpu-share FRACTION]
 
 `--stream-interval N` starts the routers with it: decode workers then send N tokens
 per message (the first and last at once), and the router relays N at a time.
@@ -42,39 +42,42 @@ import os
 import pstats
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import redis
-from machine import cpu_model, machine_busy_seconds, others_line, process_cpu_seconds
 
-from pdserve.api.v1 import (
-    common_pb2,
-    decode_pb2_grpc,
-    prefill_pb2_grpc,
-    router_pb2,
-    router_pb2_grpc,
+from pdserve.api.v1 import router_pb2, router_pb2_grpc
+from pdserve.bench.component import (
+    Figure,
+    alternate,
+    greedy,
+    handoff_ttft,
+    p90,
+    print_table,
+    random_prompt,
+    timed_stream,
 )
-from pdserve.cluster.processes import ChildProcess, spawn, wait_ready
-from pdserve.core.sampling_params import SamplingParams
+from pdserve.bench.machine import CpuWindow, cpu_quota, describe, load_average, pin
+from pdserve.cluster.local import ClusterShape, LocalCluster
+from pdserve.cluster.processes import ChildProcess, router_args, spawn, wait_ready
 from pdserve.engine.demo_model import write_demo_model
+from pdserve.router.config import DiscoveryKind
+from pdserve.router.handoff import ChannelPool, HandOff
 from pdserve.rpc.wire import sampling_params_to_proto
 from pdserve.state.redis_server import PrivateRedis
-from pdserve.worker.handoff import disaggregated_generate
 
-# Prompt ids from the tiny demo tokenizer's range, past <unk>, <s>, </s>.
-FIRST_PROMPT_ID, PROMPT_ID_LIMIT = 3, 1000
+PROMPT_ID_LIMIT = 1000  # the tiny demo tokenizer's range
 PROMPT_LEN = 8  # under one KV block (16): no prefix-cache hit, nothing cached to reuse
 PROMPT_SEED = 0
 NUM_KV_BLOCKS = 4096  # per worker: 64 streams of 8 + 256 tokens need 17 blocks each
 MAX_NUM_SEQS = 128  # per decode worker: every stream joins one batch
+ROUTER_MAX_INFLIGHT = 1024
 ROUTER_CORE, OTHERS_CORE = 0, 1
 OVERHEAD_TARGET_MS = 2.0
 RELAY_TARGET_TOKENS_PER_CPU_S = 20_000
@@ -94,241 +97,113 @@ class Workload:
     relay_requests: int  # timed requests in all
 
 
-FULL = Workload(
-    overhead_pairs=80,
-    overhead_new_tokens=4,
-    warmups=8,
-    relay_decode_workers=2,
-    relay_streams=64,
-    relay_new_tokens=256,
-    relay_requests=384,
-)
-QUICK = Workload(
-    overhead_pairs=8,
-    overhead_new_tokens=4,
-    warmups=2,
-    relay_decode_workers=1,
-    relay_streams=8,
-    relay_new_tokens=64,
-    relay_requests=16,
-)
+# the fields in their order above
+FULL = Workload(80, 4, 8, 2, 64, 256, 384)
+QUICK = Workload(8, 4, 2, 1, 8, 64, 16)
 
 
 @dataclass(frozen=True, slots=True)
-class Result:
-    metric: str
-    value: str
-    target: str = "-"
-    met: bool | None = None  # None: context, no target
+class Options:
+    """What the command line sets, passed whole."""
 
-    def row(self) -> str:
-        met = "-" if self.met is None else ("yes" if self.met else "NO")
-        return f"| {self.metric} | {self.value} | {self.target} | {met} |"
+    workload: Workload
+    stream_interval: int  # the routers' --stream-interval
+    profile: Path | None  # only the relay part, its router under cProfile writing here
+    router_cpu_share: float | None  # the relay router's CPU quota, a share of one core
 
 
-def random_prompt(rng: random.Random) -> list[int]:
-    return [rng.randrange(FIRST_PROMPT_ID, PROMPT_ID_LIMIT) for _ in range(PROMPT_LEN)]
+def prompt(rng: random.Random) -> list[int]:
+    return random_prompt(PROMPT_LEN, rng, PROMPT_ID_LIMIT)
 
 
-def greedy(max_tokens: int) -> common_pb2.SamplingParams:
-    return sampling_params_to_proto(
-        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    )
-
-
-def p90(values: list[float]) -> float:
-    return statistics.quantiles(values, n=10, method="inclusive")[-1]
-
-
-# -- CPU accounting (Linux /proc) ------------------------------------------------------------
-
-
-class CpuWindow:
-    """CPU-seconds of named processes, and of everything else, between start and stop."""
-
-    def __init__(self, pids: dict[str, int]):
-        self.pids = pids
-
-    def __enter__(self) -> CpuWindow:
-        self._begin = self._sample()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        end = self._sample()
-        self.wall_s = end["wall"] - self._begin["wall"]
-        self.cpu_s = {name: end[name] - self._begin[name] for name in end if name != "wall"}
-        self.cpu_s["others"] = max(
-            0.0, self.cpu_s.pop("machine") - sum(self.cpu_s[name] for name in self.pids)
-        )
-
-    def _sample(self) -> dict[str, float]:
-        sample = {name: process_cpu_seconds(pid) for name, pid in self.pids.items()}
-        sample["machine"] = machine_busy_seconds()
-        sample["wall"] = time.perf_counter()
-        return sample
-
-    def others_line(self) -> str:
-        return others_line(self.cpu_s["others"], self.wall_s, NOISY_SHARE)
-
-
-def pin(pid: int, core: int) -> None:
-    """Pin every thread of the process (threads it starts later inherit the mask)."""
-    if (os.cpu_count() or 1) < 2:
-        return
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), {core})
-        except ProcessLookupError:  # the thread ended meanwhile
-            pass
-
-
-@contextmanager
-def cpu_quota(pid: int, share: float) -> Iterator[None]:
-    """Cap the process at `share` of one core (a cgroup CPU quota), so that it is the
-    bottleneck: its figures are then those of a saturated process.
-
-    Needs a writable cgroup CPU controller (v1 `cpu` or v2); raises if there is none.
-    """
-    period_us = 100_000
-    quota_us = max(1000, round(share * period_us))
-    v1 = Path("/sys/fs/cgroup/cpu")
-    group = (v1 if v1.is_dir() else Path("/sys/fs/cgroup")) / f"pdserve-bench-{pid}"
-    group.mkdir()
-    try:
-        if v1.is_dir():
-            (group / "cpu.cfs_period_us").write_text(str(period_us))
-            (group / "cpu.cfs_quota_us").write_text(str(quota_us))
-        else:
-            (group / "cpu.max").write_text(f"{quota_us} {period_us}")
-        (group / "cgroup.procs").write_text(str(pid))  # every thread of the process
-        yield
-    finally:
-        parent = group.parent / "cgroup.procs"
-        for member in (group / "cgroup.procs").read_text().split():
-            try:
-                parent.write_text(member)
-            except OSError:  # it exited meanwhile
-                pass
-        group.rmdir()
+def greedy_proto(max_tokens: int):
+    return sampling_params_to_proto(greedy(max_tokens))
 
 
 # -- processes --------------------------------------------------------------------------------
 
 
-@contextmanager
-def started(child: ChildProcess, core: int) -> Iterator[ChildProcess]:
-    """Wait for the child's ready line, pin it, and stop it (SIGTERM) at the end."""
-    try:
-        wait_ready(child)
-        pin(child.proc.pid, core)
-        yield child
-    finally:
-        child.stop(timeout_s=STOP_TIMEOUT_S)
+@dataclass
+class Processes:
+    """Redis and the workers, all pinned to OTHERS_CORE; routers are started per part."""
 
+    model_dir: Path
+    log_dir: Path
+    redis_url: str
+    redis_pid: int
+    prefill: ChildProcess
+    decodes: list[ChildProcess]
 
-def spawn_worker(role: str, model_dir: Path, log_dir: Path, index: int) -> ChildProcess:
-    return spawn(
-        f"{role}-{index}",
-        [
-            "serve",
-            role,
-            "--model",
-            str(model_dir),
-            "--port",
-            "0",
-            "--threads",
-            "1",
-            "--num-kv-blocks",
-            str(NUM_KV_BLOCKS),
-            "--max-num-seqs",
-            str(MAX_NUM_SEQS),
-        ],
-        str(log_dir),
-    )
-
-
-def spawn_router(
-    name: str,
-    model_dir: Path,
-    redis_url: str,
-    prefill: list[str],
-    decode: list[str],
-    log_dir: Path,
-    profile: Path | None = None,
-    stream_interval: int = 1,
-):
-    args = [
-        "router",
-        "--model",
-        str(model_dir),
-        "--redis-url",
-        redis_url,
-        "--port",
-        "0",
-        "--discovery",
-        "static",
-        "--prefill",
-        ",".join(prefill),
-        "--decode",
-        ",".join(decode),
-        "--max-inflight",
-        "1024",
-        "--stream-interval",
-        str(stream_interval),
-    ]
-    if profile is None:
-        return spawn(name, args, str(log_dir))
-    # spawn() runs `python -m pdserve`; the profiled router runs under `-m cProfile`.
-    log_path = log_dir / f"{name}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "cProfile", "-o", str(profile), "-m", "pdserve", *args],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    def start_router(self, name: str, decodes: list[ChildProcess], o: Options) -> ChildProcess:
+        """A router with static discovery over the prefill worker and `decodes`, pinned to
+        ROUTER_CORE; under cProfile for the relay part when profiling."""
+        args = router_args(
+            str(self.model_dir),
+            self.redis_url,
+            port=0,
+            discovery=DiscoveryKind.STATIC,
+            prefill=[self.prefill.address],
+            decode=[d.address for d in decodes],
+            max_inflight=ROUTER_MAX_INFLIGHT,
+            stream_interval=o.stream_interval,
         )
-    return ChildProcess(name, proc, str(log_path))
+        profiled = o.profile is not None and name == "router-relay"
+        python_args = ["-m", "cProfile", "-o", str(o.profile)] if profiled else []
+        router = spawn(name, args, str(self.log_dir), python_args=python_args)
+        try:
+            wait_ready(router)
+            pin(router.proc.pid, ROUTER_CORE)
+        except BaseException:
+            router.stop(timeout_s=STOP_TIMEOUT_S)
+            raise
+        return router
+
+    def pids(self, router: ChildProcess, decodes: list[ChildProcess]) -> dict[str, int]:
+        """The processes whose CPU a part reports: the router, the workers, Redis, this client."""
+        pids = {"router": router.proc.pid, "prefill": self.prefill.proc.pid}
+        pids |= {"redis": self.redis_pid, "client": os.getpid()}
+        return pids | {f"decode-{i}": d.proc.pid for i, d in enumerate(decodes)}
 
 
 @contextmanager
-def cluster(model_dir: Path, num_decode_workers: int, log_dir: Path):
-    """Yield (model dir, Redis, its pid, prefill worker, decode workers), all pinned."""
+def processes(model_dir: Path, num_decode_workers: int, log_dir: Path) -> Iterator[Processes]:
+    """A private Redis (the routers' request store), one prefill and `num_decode_workers`
+    decode workers (a `LocalCluster` without its router), all pinned to OTHERS_CORE."""
     if not (model_dir / "config.json").is_file():
         write_demo_model(model_dir, size="tiny", seed=0)
-    with ExitStack() as stack:
-        redis_server = PrivateRedis().start()
-        stack.callback(redis_server.stop)
-        redis_pid = redis.Redis.from_url(redis_server.url).info("server")["process_id"]
-        pin(redis_pid, OTHERS_CORE)
-        # Start every worker at once (each loads its model), then wait for each.
-        children = [spawn_worker("prefill", model_dir, log_dir, 0)] + [
-            spawn_worker("decode", model_dir, log_dir, i) for i in range(num_decode_workers)
-        ]
-        for child in children:
-            stack.callback(child.stop, STOP_TIMEOUT_S)
-        for child in children:
-            wait_ready(child)
-            pin(child.proc.pid, OTHERS_CORE)
-        yield model_dir, redis_server, redis_pid, children[0], children[1:]
+    cluster = LocalCluster(
+        str(model_dir),
+        ClusterShape(prefill=1, decode=num_decode_workers),
+        log_dir,
+        threads=1,
+        worker_args=["--num-kv-blocks", str(NUM_KV_BLOCKS), "--max-num-seqs", str(MAX_NUM_SEQS)],
+        with_router=False,
+    )
+    redis_server = PrivateRedis().start()
+    try:
+        with cluster:
+            redis_pid = redis.Redis.from_url(redis_server.url).info("server")["process_id"]
+            for pid in [redis_pid, *(child.proc.pid for child in cluster.children)]:
+                pin(pid, OTHERS_CORE)
+            prefill, *decodes = cluster.children  # in the shape's order: prefill first
+            yield Processes(model_dir, log_dir, redis_server.url, redis_pid, prefill, decodes)
+    finally:
+        redis_server.stop()
 
 
 # -- 1. router overhead ---------------------------------------------------------------------
 
 
 async def router_ttft(
-    router: router_pb2_grpc.RouterStub, prompt: list[int], sampling, inside: list[float]
+    router: router_pb2_grpc.RouterStub, prompt_ids: list[int], sampling, inside: list[float]
 ) -> float:
     """The client's TTFT; appends the router's own (its `timings.ttft_ms`) to `inside`."""
     request = router_pb2.GenerateRequest(
-        token_ids=router_pb2.TokenIds(ids=prompt), sampling=sampling, stream=True
+        token_ids=router_pb2.TokenIds(ids=prompt_ids), sampling=sampling, stream=True
     )
-    start = time.perf_counter()
-    first_at, last = None, None
-    async for last in router.Generate(request):  # noqa: B007 (the last one is used below)
-        first_at = first_at or time.perf_counter()
+    ttft, last = await timed_stream(lambda: router.Generate(request))
     inside.append(last.timings.ttft_ms / 1e3)  # the final message carries the timings
-    return first_at - start
+    return ttft
 
 
 async def unary_round_trip(router: router_pb2_grpc.RouterStub) -> float:
@@ -338,58 +213,42 @@ async def unary_round_trip(router: router_pb2_grpc.RouterStub) -> float:
     return time.perf_counter() - start
 
 
-async def direct_ttft(prefill, decode, decode_address: str, prompt: list[int], sampling) -> float:
-    start = time.perf_counter()
-    first_at = None
-    async for _ in disaggregated_generate(prefill, decode, decode_address, prompt, sampling):
-        first_at = first_at or time.perf_counter()
-    return first_at - start
+@dataclass(frozen=True, slots=True)
+class OverheadRuns:
+    """Seconds, per request: TTFT via the router and direct, the router's own TTFT."""
+
+    via_router: list[float]
+    direct: list[float]
+    inside: list[float]  # warm-ups included: only the timed runs' median is reported
+    round_trips: list[float]
+    router_cpu_s: float  # while the TTFTs were measured, warm-ups included
 
 
-Timed = Callable[[], Awaitable[float]]
-
-
-async def alternate(repeats: int, warmups: int, a: Timed, b: Timed):
-    """`repeats` timed runs of each side in the order a b b a a b ..., after warm-ups."""
-    for _ in range(warmups):
-        await a()
-        await b()
-    a_runs: list[float] = []
-    b_runs: list[float] = []
-    for i in range(repeats):
-        pair = [(a, a_runs), (b, b_runs)]
-        for run, runs in pair if i % 2 == 0 else reversed(pair):
-            runs.append(await run())
-    return a_runs, b_runs
-
-
-async def bench_overhead(
-    router_address: str,
-    router_pid: int,
-    prefill_address: str,
-    decode_address: str,
-    w: Workload,
-    rng: random.Random,
-) -> list[Result]:
-    sampling = greedy(w.overhead_new_tokens)
-    async with (
-        grpc.aio.insecure_channel(router_address) as router_channel,
-        grpc.aio.insecure_channel(prefill_address) as prefill_channel,
-        grpc.aio.insecure_channel(decode_address) as decode_channel,
-    ):
-        router = router_pb2_grpc.RouterStub(router_channel)
-        prefill = prefill_pb2_grpc.PrefillStub(prefill_channel)
-        decode = decode_pb2_grpc.DecodeStub(decode_channel)
-        inside: list[float] = []  # warm-ups included: only its median is reported
-        with CpuWindow({"router": router_pid}) as window:
-            via_router, direct = await alternate(
+def measure_overhead(router: ChildProcess, prefill: str, decode: str, w: Workload, rng):
+    """Both sides alternated, on one event loop: channels stay open across the runs."""
+    sampling = greedy_proto(w.overhead_new_tokens)
+    inside: list[float] = []
+    with asyncio.Runner() as runner:
+        channel = grpc.aio.insecure_channel(router.address)
+        stub = router_pb2_grpc.RouterStub(channel)
+        channels = ChannelPool()  # the router's hand-off client, its channels kept warm
+        handoff = HandOff(channels)
+        with CpuWindow({"router": router.proc.pid}) as window:
+            via_router, direct = alternate(
                 w.overhead_pairs,
                 w.warmups,
-                lambda: router_ttft(router, random_prompt(rng), sampling, inside),
-                lambda: direct_ttft(prefill, decode, decode_address, random_prompt(rng), sampling),
+                lambda: runner.run(router_ttft(stub, prompt(rng), sampling, inside)),
+                lambda: runner.run(handoff_ttft(handoff, prefill, decode, prompt(rng), sampling)),
             )
-        router_cpu_ms = window.cpu_s["router"] / (w.warmups + w.overhead_pairs) * 1e3
-        round_trips = [await unary_round_trip(router) for _ in range(w.overhead_pairs)]
+        round_trips = [runner.run(unary_round_trip(stub)) for _ in range(w.overhead_pairs)]
+        for closing in (handoff.close(), channels.close(), channel.close()):
+            runner.run(closing)
+    return OverheadRuns(via_router, direct, inside, round_trips, window.cpu_s["router"])
+
+
+def bench_overhead(router: ChildProcess, prefill: str, decode: str, w: Workload, rng):
+    runs = measure_overhead(router, prefill, decode, w, rng)
+    via_router, direct = runs.via_router, runs.direct
     print("TTFT via router ms: " + ", ".join(f"{s * 1e3:.1f}" for s in via_router))
     print("TTFT direct ms:     " + ", ".join(f"{s * 1e3:.1f}" for s in direct))
     router_p50, direct_p50 = (statistics.median(s) * 1e3 for s in (via_router, direct))
@@ -398,38 +257,39 @@ async def bench_overhead(
     # The i-th runs of the two sides ran next to each other: their differences see the
     # same state of the machine.
     paired = statistics.median(r - d for r, d in zip(via_router, direct, strict=True)) * 1e3
-    inside_p50 = statistics.median(inside[-len(via_router) :]) * 1e3
+    inside_p50 = statistics.median(runs.inside[-len(via_router) :]) * 1e3
+    router_cpu_ms = runs.router_cpu_s / (w.warmups + w.overhead_pairs) * 1e3
     n = w.overhead_pairs
     return [
-        Result(
+        Figure(
             f"router overhead on TTFT, p50 ({n} sequential requests per side, "
             f"{PROMPT_LEN}-token prompts)",
             f"{overhead:.2f} ms",
             f"< {OVERHEAD_TARGET_MS:g} ms",
             overhead < OVERHEAD_TARGET_MS,
         ),
-        Result(
+        Figure(
             "TTFT p50: via router / direct to the workers",
             f"{router_p50:.2f} / {direct_p50:.2f} ms",
         ),
-        Result("router overhead on TTFT, median of paired differences", f"{paired:.2f} ms"),
-        Result(
+        Figure("router overhead on TTFT, median of paired differences", f"{paired:.2f} ms"),
+        Figure(
             "router overhead on TTFT, p90 (TTFT p90 via router / direct)",
             f"{router_p90 - direct_p90:.2f} ms ({router_p90:.2f} / {direct_p90:.2f} ms)",
         ),
-        Result(
+        Figure(
             "TTFT p50 inside the router (Generate called -> Prefill returned; its "
             "`timings.ttft_ms`)",
             f"{inside_p50:.2f} ms",
         ),
-        Result(
+        Figure(
             f"router CPU per request ({PROMPT_LEN}-token prompt, "
             f"{w.overhead_new_tokens} tokens; all of its threads)",
             f"{router_cpu_ms:.2f} ms",
         ),
-        Result(
+        Figure(
             "unary round trip client -> router -> client (ModelInfo), p50",
-            f"{statistics.median(round_trips) * 1e3:.2f} ms",
+            f"{statistics.median(runs.round_trips) * 1e3:.2f} ms",
         ),
     ]
 
@@ -453,9 +313,7 @@ async def relay_streams(
         while remaining > 0:
             remaining -= 1
             request = router_pb2.GenerateRequest(
-                token_ids=router_pb2.TokenIds(ids=random_prompt(rng)),
-                sampling=sampling,
-                stream=True,
+                token_ids=router_pb2.TokenIds(ids=prompt(rng)), sampling=sampling, stream=True
             )
             async for message in router.Generate(request):
                 received += len(message.token_ids)
@@ -465,15 +323,10 @@ async def relay_streams(
     return received, num_messages
 
 
-async def bench_relay(
-    router_address: str,
-    pids: dict[str, int],
-    w: Workload,
-    rng: random.Random,
-    cpu_allowance: float = 1.0,
-) -> tuple[list[Result], CpuWindow]:
-    sampling = greedy(w.relay_new_tokens)
-    async with grpc.aio.insecure_channel(router_address) as channel:
+async def measure_relay(address: str, pids: dict[str, int], w: Workload, rng: random.Random):
+    """(tokens, messages) of the timed streams, and the CPU window they ran in."""
+    sampling = greedy_proto(w.relay_new_tokens)
+    async with grpc.aio.insecure_channel(address) as channel:
         router = router_pb2_grpc.RouterStub(channel)
         await relay_streams(router, w.relay_streams, w.relay_streams, sampling, rng)  # warm-up
         with CpuWindow(pids) as window:
@@ -483,29 +336,39 @@ async def bench_relay(
     expected = w.relay_requests * w.relay_new_tokens
     if tokens != expected:
         raise RuntimeError(f"relayed {tokens} tokens, expected {expected}")
+    return tokens, num_messages, window
+
+
+def bench_relay(
+    address: str, pids: dict[str, int], w: Workload, rng: random.Random, cpu_allowance: float
+) -> tuple[list[Figure], CpuWindow]:
+    tokens, num_messages, window = asyncio.run(measure_relay(address, pids, w, rng))
     router_cpu = window.cpu_s["router"]
     per_cpu_s = tokens / router_cpu
     share = router_cpu / window.wall_s
     saturated = "saturated" if share >= SATURATED_SHARE * cpu_allowance else "not saturated"
     allowance = "one core" if cpu_allowance == 1.0 else f"one core, capped at {cpu_allowance:.0%}"
-    breakdown = ", ".join(f"{name} {cpu / tokens * 1e6:.0f}" for name, cpu in window.cpu_s.items())
+    cpu_by_process = {**window.cpu_s, "others": window.others_s or 0.0}
+    breakdown = ", ".join(
+        f"{name} {cpu / tokens * 1e6:.0f}" for name, cpu in cpu_by_process.items()
+    )
     return [
-        Result(
+        Figure(
             f"relay: tokens per router CPU-second ({w.relay_streams} concurrent streams of "
             f"{w.relay_new_tokens} tokens, {w.relay_decode_workers} decode workers)",
             f"{per_cpu_s:,.0f} tokens/s",
             f">= {RELAY_TARGET_TOKENS_PER_CPU_S:,}",
             per_cpu_s >= RELAY_TARGET_TOKENS_PER_CPU_S,
         ),
-        Result("relay: router CPU per token", f"{router_cpu / tokens * 1e6:.1f} µs"),
-        Result(
+        Figure("relay: router CPU per token", f"{router_cpu / tokens * 1e6:.1f} µs"),
+        Figure(
             "relay: wall tokens/s (whole cluster on 2 cores)",
             f"{tokens / window.wall_s:,.0f} tokens/s ({tokens:,} tokens in {window.wall_s:.1f} s)",
         ),
-        Result("relay: router core use", f"{share:.0%} of one core ({allowance}: {saturated})"),
+        Figure("relay: router core use", f"{share:.0%} of one core ({allowance}: {saturated})"),
         # several per message when the router or its client falls behind (coalesced)
-        Result("relay: tokens per message to the client", f"{tokens / num_messages:.2f}"),
-        Result("relay: CPU µs per token, by process", breakdown),
+        Figure("relay: tokens per message to the client", f"{tokens / num_messages:.2f}"),
+        Figure("relay: CPU µs per token, by process", breakdown),
     ], window
 
 
@@ -516,14 +379,7 @@ def machine_line() -> str:
     pinned = "no pinning (one core)"
     if (os.cpu_count() or 1) >= 2:
         pinned = f"router pinned to core {ROUTER_CORE}, the rest to core {OTHERS_CORE}"
-    return (
-        f"{os.cpu_count()} cores, {cpu_model()}; Python {sys.version.split()[0]}, "
-        f"grpcio {grpc.__version__}; {pinned}"
-    )
-
-
-def loadavg() -> str:
-    return Path("/proc/loadavg").read_text().strip()
+    return describe(f"grpcio {grpc.__version__}", pinned)
 
 
 def print_profile(path: Path, tokens: int) -> None:
@@ -533,7 +389,35 @@ def print_profile(path: Path, tokens: int) -> None:
     stats.sort_stats("cumulative").print_stats(40)
 
 
-def main(argv: list[str] | None = None) -> int:
+def overhead_part(p: Processes, o: Options, rng: random.Random) -> list[Figure]:
+    """A router over the prefill worker and the first decode worker, against both direct."""
+    decode = p.decodes[0]
+    router = p.start_router("router-overhead", [decode], o)
+    try:
+        with CpuWindow(p.pids(router, [decode])) as window:
+            results = bench_overhead(router, p.prefill.address, decode.address, o.workload, rng)
+    finally:
+        router.stop(timeout_s=STOP_TIMEOUT_S)
+    print(f"overhead part: {window.others_line(NOISY_SHARE)}")
+    return results
+
+
+def relay_part(p: Processes, o: Options, rng: random.Random) -> list[Figure]:
+    """A router over every worker, its CPU capped when asked, relaying many streams."""
+    router = p.start_router("router-relay", p.decodes, o)
+    share = o.router_cpu_share
+    try:
+        with cpu_quota(router.proc.pid, share) if share else nullcontext():
+            pids = p.pids(router, p.decodes)
+            results, window = bench_relay(router.address, pids, o.workload, rng, share or 1.0)
+    finally:
+        router.stop(timeout_s=STOP_TIMEOUT_S)  # a profiled router writes its profile now
+    print(f"relay part: {window.others_line(NOISY_SHARE)}")
+    return results
+
+
+def parse_args(argv: list[str] | None) -> tuple[Options, Path | None]:
+    """The options, and the demo model's directory when given."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small smoke version")
     parser.add_argument(
@@ -563,78 +447,30 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     w = QUICK if args.quick else FULL
-    rng = random.Random(PROMPT_SEED)
-    began = time.perf_counter()
+    return Options(w, args.stream_interval, args.profile, args.router_cpu_share), args.model_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    o, model_dir = parse_args(argv)
+    w, rng, began = o.workload, random.Random(PROMPT_SEED), time.perf_counter()
     pin(os.getpid(), OTHERS_CORE)
     print(machine_line())
-    print(f"routers run with --stream-interval {args.stream_interval}")
-    print(f"load average at start: {loadavg()}")
-    with (
-        tempfile.TemporaryDirectory(prefix="pdserve-router-bench-") as tmp,
-        cluster(args.model_dir or Path(tmp) / "demo-tiny", w.relay_decode_workers, Path(tmp)) as (
-            model_dir,
-            redis_server,
-            redis_pid,
-            prefill,
-            decodes,
-        ),
-    ):
-
-        def router(name: str, decode_addresses: list[str], profile: Path | None = None):
-            child = spawn_router(
-                name,
-                model_dir,
-                redis_server.url,
-                [prefill.address],
-                decode_addresses,
-                Path(tmp),
-                profile,
-                args.stream_interval,
-            )
-            return started(child, ROUTER_CORE)
-
-        results: list[Result] = []
-        if args.profile is None:
-            with router("router-overhead", [decodes[0].address]) as r:
-                pids = {
-                    "router": r.proc.pid,
-                    "prefill": prefill.proc.pid,
-                    "redis": redis_pid,
-                    "client": os.getpid(),
-                    "decode-0": decodes[0].proc.pid,
-                }
-                with CpuWindow(pids) as window:
-                    results += asyncio.run(
-                        bench_overhead(
-                            r.address, r.proc.pid, prefill.address, decodes[0].address, w, rng
-                        )
-                    )
-            print(f"overhead part: {window.others_line()}")
-        print(f"load average after the overhead part: {loadavg()}")
-        share = args.router_cpu_share
-        with (
-            router("router-relay", [d.address for d in decodes], args.profile) as r,
-            cpu_quota(r.proc.pid, share) if share else nullcontext(),
-        ):
-            pids = {
-                "router": r.proc.pid,
-                "prefill": prefill.proc.pid,
-                "redis": redis_pid,
-                "client": os.getpid(),
-            }
-            pids.update({f"decode-{i}": d.proc.pid for i, d in enumerate(decodes)})
-            relay, window = asyncio.run(bench_relay(r.address, pids, w, rng, share or 1.0))
-            results += relay
-        print(f"relay part: {window.others_line()}")
-        print(f"load average at the end: {loadavg()}")
+    print(f"routers run with --stream-interval {o.stream_interval}")
+    print(f"load average at start: {load_average()}")
+    results: list[Figure] = []
+    with tempfile.TemporaryDirectory(prefix="pdserve-router-bench-") as tmp:
+        model_dir = model_dir or Path(tmp) / "demo-tiny"
+        with processes(model_dir, w.relay_decode_workers, Path(tmp)) as p:
+            if o.profile is None:
+                results += overhead_part(p, o, rng)
+            print(f"load average after the overhead part: {load_average()}")
+            results += relay_part(p, o, rng)
+            print(f"load average at the end: {load_average()}")
     print(f"whole run: {time.perf_counter() - began:.0f} s")
-    print("\n| metric | value | target | met? |")
-    print("| --- | --- | --- | --- |")
-    for result in results:
-        print(result.row())
-    if args.profile is not None:
+    print_table(Figure.HEADER, results)
+    if o.profile is not None:
         # the warm-up streams ran on the profiled router too
-        print_profile(args.profile, (w.relay_streams + w.relay_requests) * w.relay_new_tokens)
+        print_profile(o.profile, (w.relay_streams + w.relay_requests) * w.relay_new_tokens)
     return 0
 
 

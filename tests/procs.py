@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.api.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from pdserve.cluster.processes import ChildProcess, spawn, wait_ready
+from pdserve.api.v1 import decode_pb2
+from pdserve.cluster.load import wait_idle, worker_load
+from pdserve.cluster.processes import ChildProcess, router_args, spawn, wait_ready, worker_args
 
 
 @dataclass
@@ -26,28 +27,18 @@ class WorkerProcess:
 
     def load(self) -> decode_pb2.WorkerLoad:
         """Blocking GetLoad (prefill and decode both serve it)."""
-        with grpc.insecure_channel(self.address) as channel:
-            if self.role == "prefill":
-                stub = prefill_pb2_grpc.PrefillStub(channel)
-            else:
-                stub = decode_pb2_grpc.DecodeStub(channel)
-            return stub.GetLoad(decode_pb2.GetLoadRequest(), timeout=10)
+        return worker_load(self.address, self.role)
 
     def wait_idle(self, timeout_s: float = 10.0) -> decode_pb2.WorkerLoad:
-        """Poll until nothing runs, no lease is open and every block is free."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            load = self.load()
-            idle = load.running == 0 and load.waiting == 0 and load.open_leases == 0
-            if (idle and load.free_blocks == load.total_blocks) or time.monotonic() > deadline:
-                return load
-            time.sleep(0.05)
+        """Poll until nothing runs, no lease is open and every block is free (its last
+        load at the deadline otherwise, for the test to assert on)."""
+        return wait_idle(self.address, self.role, timeout_s)
 
 
 @contextmanager
 def worker_process(role: str, model_dir, *args: str, log_dir=None):
-    """`pdserve serve ROLE` on port 0 with one torch thread."""
-    cmd = ["serve", role, "--model", str(model_dir), "--port", "0", "--threads", "1", *args]
+    """`pdserve serve ROLE` on port 0 with one torch thread; `args` are further flags."""
+    cmd = worker_args(role, str(model_dir), args, port=0, threads=1)
     with pdserve_process(cmd, log_dir) as child:
         fields = child.fields
         yield WorkerProcess(
@@ -58,7 +49,7 @@ def worker_process(role: str, model_dir, *args: str, log_dir=None):
 @contextmanager
 def router_process(model_dir, redis_url: str, *args: str, log_dir=None):
     """`pdserve router` on port 0; yields (address, process)."""
-    cmd = ["router", "--model", str(model_dir), "--redis-url", redis_url, "--port", "0", *args]
+    cmd = router_args(str(model_dir), redis_url, args, port=0)
     with pdserve_process(cmd, log_dir) as child:
         yield child.address, child.proc
 

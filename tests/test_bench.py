@@ -1,18 +1,26 @@
 """`pdserve bench`: workload plans, statistics and goodput on crafted data, and a tiny sweep
-against a real local cluster whose result files must add up."""
+against a real local cluster whose result files must add up. Also what the component
+benchmarks in bench/ share (paired runs, the machine's CPU accounting), and that every
+one of those scripts starts."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import random
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pdserve.bench.command import add_parser
+from pdserve.bench.component import alternate
 from pdserve.bench.loadgen import RequestResult
+from pdserve.bench.machine import CpuWindow, cpu_seconds
 from pdserve.bench.metrics import SLO, goodput, percentile, slo_attainment, summarize
 from pdserve.bench.workload import (
     FIRST_PROMPT_ID,
@@ -25,8 +33,11 @@ from pdserve.bench.workload import (
     parse_length,
     plan,
 )
+from pdserve.commands.bench import add_parser
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+REPO = Path(__file__).resolve().parents[1]
+BENCH_SCRIPTS = sorted(p.name for p in (REPO / "bench").glob("*.py"))
 
 
 def bench_args(*argv: str) -> argparse.Namespace:
@@ -185,6 +196,72 @@ def test_bad_flags_fail_before_anything_starts(capsys):
         args = bench_args(*argv)
         assert args.run(args) == 1, argv
     assert "timeline-rate" in capsys.readouterr().err
+
+
+def test_without_matplotlib_bench_says_what_to_install_before_it_starts(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    args = bench_args("--router", "127.0.0.1:1")  # never called: the check comes first
+    assert args.run(args) == 1
+    assert "pip install 'pdserve[bench]'" in capsys.readouterr().err
+
+
+def test_pdserve_and_its_bench_command_load_without_matplotlib():
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "import pdserve.cli, pdserve.commands.bench, pdserve.bench.plots"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# -- what the component benchmarks share -------------------------------------------------
+
+
+def test_paired_runs_warm_up_untimed_then_rotate_so_each_round_starts_elsewhere():
+    calls: list[str] = []
+
+    def side(name: str):
+        return lambda: calls.append(name) or f"{name}{len(calls)}"
+
+    a_runs, b_runs = alternate(3, 2, side("a"), side("b"))
+    assert calls == ["a", "b", "a", "b"] + ["a", "b", "b", "a", "a", "b"]
+    assert (a_runs, b_runs) == (["a5", "a8", "a9"], ["b6", "b7", "b10"])
+    calls.clear()
+    runs = alternate(3, 0, side("a"), side("b"), side("c"))
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [len(r) for r in runs] == [3, 3, 3]
+
+
+def test_a_cpu_window_counts_the_named_process_apart_from_the_rest_of_the_machine():
+    with CpuWindow({"test": os.getpid()}) as window:
+        end = time.process_time() + 0.3
+        while time.process_time() < end:  # busy: CPU time of this process
+            pass
+    assert window.cpu_s["test"] >= 0.2  # clock ticks: 10 ms granularity
+    assert window.wall_s >= 0.3
+    assert window.others_s is not None and window.others_s >= 0
+    assert "other processes used" in window.others_line(noisy_share=1.0)
+
+
+def test_cpu_seconds_of_a_process_that_exited_is_an_error_not_zero():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert cpu_seconds([os.getpid()]) > 0
+    with pytest.raises(ProcessLookupError):
+        cpu_seconds([os.getpid(), proc.pid])
+
+
+@pytest.mark.parametrize("script", BENCH_SCRIPTS)
+def test_every_component_benchmark_starts_from_any_directory(script, tmp_path):
+    """`--help` imports everything the script needs, from the installed package alone."""
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "usage:" in done.stdout
 
 
 # -- a real sweep --------------------------------------------------------------------------

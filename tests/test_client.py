@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -137,6 +138,32 @@ async def test_async_generate_and_stream_match_the_engine(cluster, expected):
     assert "".join(c.text for c in chunks) == expected.text
     assert tokens == expected.prompt_token_ids
     assert info.status == "finished" and info.usage.completion_tokens == GREEDY.max_tokens
+
+
+def test_leaving_a_stream_early_cancels_the_request(client):
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    for chunk in client.stream(PROMPT, long, request_id="client-leaves-early"):
+        assert chunk.token_ids
+        break
+    deadline = time.monotonic() + CALL_TIMEOUT_S
+    while (info := client.get_request("client-leaves-early")).status != "cancelled":
+        assert info.status != "finished", "the request ran to its end"
+        assert time.monotonic() < deadline, f"still {info.status}"
+        time.sleep(0.05)
+
+
+def test_a_blocking_client_serves_several_threads_at_once(client, expected):
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        completions = list(pool.map(lambda _: client.generate(PROMPT, GREEDY), range(4)))
+    assert [c.token_ids for c in completions] == [expected.token_ids] * 4
+
+
+def test_a_closed_client_refuses_calls(cluster):
+    client = Client(cluster["router"])
+    client.close()
+    client.close()  # idempotent
+    with pytest.raises(RuntimeError):
+        client.model_info()
 
 
 def test_request_bookkeeping_calls(client, expected):

@@ -19,8 +19,8 @@ from pdserve.api.v1 import (
 )
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.router.handoff import Attempt, ChannelPool, HandOff
 from pdserve.rpc.wire import sampling_params_to_proto
-from pdserve.worker.handoff import disaggregated_generate
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=42, max_tokens=12, ignore_eos=True)
@@ -49,19 +49,14 @@ def prompts(lengths, seed=0):
 
 
 async def run(prefill, decode, prompt, params, request_id=""):
-    """Tokens of one disaggregated request, the final delta."""
-    async with prefill.channel() as pch, decode.channel() as dch:
-        tokens, last = [], None
-        async for delta in disaggregated_generate(
-            prefill_pb2_grpc.PrefillStub(pch),
-            decode_pb2_grpc.DecodeStub(dch),
-            decode.address,
-            prompt,
-            sampling_params_to_proto(params),
-            request_id,
-        ):
+    """Tokens of one disaggregated request, the final delta (the router's hand-off)."""
+    attempt = Attempt(request_id, prompt, sampling_params_to_proto(params))
+    channels, tokens, last = ChannelPool(), [], None
+    async with HandOff(channels) as handoff:
+        async for delta in handoff.generate(prefill.address, decode.address, attempt):
             tokens += delta.token_ids
             last = delta
+    await channels.close()
     return tokens, last
 
 
@@ -304,22 +299,20 @@ async def test_a_renewed_lease_outlives_its_ttl_and_expires_once_renewals_stop(c
 async def test_cancelled_decode_stream_frees_blocks_at_once(cluster):
     prefill, (decode, _) = cluster
     long = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
-    async with prefill.channel() as pch, decode.channel() as dch:
-        stream = disaggregated_generate(
-            prefill_pb2_grpc.PrefillStub(pch),
-            decode_pb2_grpc.DecodeStub(dch),
-            decode.address,
-            prompts([50], seed=9)[0],
-            sampling_params_to_proto(long),
-        )
-        received = 0
-        async for delta in stream:
-            received += len(delta.token_ids)
-            if received >= 5:
-                break
-        await stream.aclose()
-    assert_idle(decode)
-    assert_idle(prefill)
+    attempt = Attempt("", prompts([50], seed=9)[0], sampling_params_to_proto(long))
+    channels = ChannelPool()
+    handoff = HandOff(channels)
+    stream = handoff.generate(prefill.address, decode.address, attempt)
+    received = 0
+    async for delta in stream:
+        received += len(delta.token_ids)
+        if received >= 5:
+            break
+    await stream.aclose()  # detaches from the Relay call, which stays open
+    await asyncio.to_thread(assert_idle, decode)
+    await asyncio.to_thread(assert_idle, prefill)
+    await handoff.close()
+    await channels.close()
 
 
 async def test_cancelled_prefill_releases_the_lease_on_both_sides(cluster):
@@ -402,3 +395,89 @@ async def test_prefill_prefix_cache_skips_compute_but_ships_every_block(cluster,
     # yet the decode worker (which had none of them) continued it correctly.
     assert last_b.usage.cached_prompt_tokens == 64
     assert_idle(decode)
+
+
+# -- the per-request calls: Stream and Generate, one request on the Relay's path ------------
+
+
+async def stream_call(prefill, decode, prompt, params, stream_interval=1):
+    """Admit, open Stream, Prefill: one request without the router. The prefill response
+    and the Stream call's messages."""
+    async with decode.channel() as dch, prefill.channel() as pch:
+        stub = decode_pb2_grpc.DecodeStub(dch)
+        sampling = sampling_params_to_proto(params)
+        lease = await stub.Admit(
+            decode_pb2.AdmitRequest(prompt_token_ids=prompt, sampling=sampling)
+        )
+        stream = stub.Stream(
+            decode_pb2.StreamRequest(lease_id=lease.lease_id, stream_interval=stream_interval)
+        )
+        first = await prefill_pb2_grpc.PrefillStub(pch).Prefill(
+            prefill_pb2.PrefillRequest(
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                target=prefill_pb2.KVTarget(address=decode.address, lease_id=lease.lease_id),
+            )
+        )
+        return first, [message async for message in stream]
+
+
+async def test_a_stream_call_sends_its_lease_s_tokens_by_stream_interval(cluster, reference_engine):
+    prefill, (decode, _) = cluster
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    prompt = prompts([40], seed=12)[0]
+    [want] = reference_engine.generate([prompt], params)
+    first, messages = await stream_call(prefill, decode, prompt, params, stream_interval=4)
+    assert [first.first_token_id, *(t for m in messages for t in m.token_ids)] == want.token_ids
+    assert first.text + "".join(m.text for m in messages) == want.text
+    sizes = [len(m.token_ids) for m in messages]
+    assert all(size >= 4 for size in sizes[1:-1])  # the first and the last go out at once
+    assert [m.finish_reason for m in messages[:-1]] == [common_pb2.FINISH_REASON_UNSPECIFIED] * (
+        len(messages) - 1
+    )
+    last = messages[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (40, 30)
+    assert_idle(decode)
+
+
+async def test_a_stream_call_ends_with_its_lease(cluster):
+    _, (decode, _) = cluster
+    async with decode.channel() as ch:
+        stub = decode_pb2_grpc.DecodeStub(ch)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Stream(decode_pb2.StreamRequest(lease_id="no-such-lease")).read()
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        # Its KV never arrives: the stream fails when the lease expires.
+        lease = await asyncio.to_thread(admit, decode, prompts([30], seed=13)[0], ttl_ms=300)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Stream(decode_pb2.StreamRequest(lease_id=lease.lease_id)).read()
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # Released by its holder while (or before) the stream waits: NOT_FOUND either way.
+        lease = await asyncio.to_thread(admit, decode, prompts([30], seed=14)[0])
+        stream = stub.Stream(decode_pb2.StreamRequest(lease_id=lease.lease_id))
+        assert await asyncio.to_thread(release, decode, lease.lease_id)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stream.read()
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    await asyncio.to_thread(assert_idle, decode)
+
+
+async def test_a_generate_call_refuses_a_bad_request_and_stops_when_cancelled(
+    cluster, reference_engine
+):
+    _, (decode, _) = cluster
+    long = sampling_params_to_proto(SamplingParams(max_tokens=2000, ignore_eos=True))
+    async with decode.channel() as ch:
+        stub = decode_pb2_grpc.DecodeStub(ch)
+        bad = decode_pb2.LocalGenerateRequest(prompt_token_ids=[10**6], sampling=long)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Generate(bad).read()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "prompt" in err.value.details()
+        call = stub.Generate(
+            decode_pb2.LocalGenerateRequest(prompt_token_ids=prompts([20])[0], sampling=long)
+        )
+        assert (await call.read()).token_ids
+        call.cancel()
+    await asyncio.to_thread(assert_idle, decode)

@@ -17,6 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 import grpc
 import pytest
 from kubernetes import client as k8s
+from procs import worker_process
 
 from pdserve.api.v1 import decode_pb2, prefill_pb2_grpc
 from pdserve.core.workers import WorkerInfo
@@ -89,6 +90,18 @@ async def test_redis_discovery_excludes_a_failed_worker_until_its_next_heartbeat
         await registry.publish(info)
         await discovery.refresh()
         assert addresses(discovery.workers("prefill")) == ["10.0.0.1:9000"]
+    finally:
+        await discovery.stop()
+
+
+async def test_redis_discovery_carries_the_block_size_each_worker_publishes(registry):
+    await registry.publish(WorkerInfo("w1", "prefill", "10.0.0.1:9000", block_size=32))
+    await registry.publish(WorkerInfo("w2", "decode", "10.0.0.2:9000", block_size=16))
+    discovery = RedisDiscovery(registry, refresh_interval_s=60)
+    await discovery.start()
+    try:
+        assert [w.block_size for w in discovery.workers("prefill")] == [32]
+        assert [w.block_size for w in discovery.workers("decode")] == [16]
     finally:
         await discovery.stop()
 
@@ -188,9 +201,18 @@ async def test_mark_unhealthy_holds_until_a_poll_started_after_it_succeeds():
 
 
 class PrefillLoad(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, block_size: int = 32):
+        self.block_size = block_size
+
     async def GetLoad(self, request, context):
         return decode_pb2.WorkerLoad(
-            role="prefill", free_blocks=5, total_blocks=9, running=1, waiting=2, open_leases=0
+            role="prefill",
+            free_blocks=5,
+            total_blocks=9,
+            running=1,
+            waiting=2,
+            open_leases=0,
+            block_size=self.block_size,
         )
 
 
@@ -204,12 +226,41 @@ async def test_grpc_probe_asks_the_role_s_service():
         info = await probe(f"127.0.0.1:{port}", "prefill")
         load = (info.role, info.free_blocks, info.total_blocks, info.running, info.waiting)
         assert load == ("prefill", 5, 9, 1, 2)
+        assert info.block_size == 32
         # a decode worker is asked through Decode, which this server does not serve
         assert await probe(f"127.0.0.1:{port}", "decode") is None
         assert await GrpcLoadProbe(timeout_s=0.5)("127.0.0.1:1", "prefill") is None
     finally:
         await probe.close()
         await server.stop(None)
+
+
+async def test_grpc_probe_keeps_the_default_block_size_when_a_worker_reports_none():
+    server = grpc.aio.server()
+    prefill_pb2_grpc.add_PrefillServicer_to_server(PrefillLoad(block_size=0), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    probe = GrpcLoadProbe(timeout_s=1.0)
+    try:
+        info = await probe(f"127.0.0.1:{port}", "prefill")
+        assert info.block_size == WorkerInfo("w", "prefill", "a:1").block_size
+    finally:
+        await probe.close()
+        await server.stop(None)
+
+
+async def test_static_discovery_takes_the_block_size_a_real_worker_reports(
+    demo_model_dir, tmp_path
+):
+    args = ("--block-size", "32", "--num-kv-blocks", "64")
+    with worker_process("decode", demo_model_dir, *args, log_dir=tmp_path) as worker:
+        discovery = StaticDiscovery([], [worker.address])
+        await discovery.start()
+        try:
+            [info] = discovery.workers("decode")
+        finally:
+            await discovery.stop()
+    assert (info.address, info.block_size, info.total_blocks) == (worker.address, 32, 64)
 
 
 # -- Kubernetes ----------------------------------------------------------------------------

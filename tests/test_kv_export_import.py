@@ -21,7 +21,9 @@ def prefill_and_export(engine: LLMEngine, prompt: list[int], params: SamplingPar
 
     def on_layer_done(layer: int, plan) -> None:
         assert [s.request.request_id for s in plan.scheduled] == [request_id]
-        chunks.append(engine.export_kv(request_id, layer, num_tokens=len(prompt)))
+        [export] = engine.export_layer(layer, plan, {request_id: 0})
+        assert (export.first_block, export.prompt_done) == (0, True)  # the whole prompt, at once
+        chunks.append(export.chunk)
 
     deltas = []
     while not deltas:

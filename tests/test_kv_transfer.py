@@ -21,13 +21,15 @@ from pdserve.engine import kv_cache
 from pdserve.kv import codec, transfer
 from pdserve.kv.codec import decode_message, encode_message, split_messages
 from pdserve.kv.transfer import (
+    ZERO_COPY_PARSERS,
     KVPusher,
     KVPushError,
-    add_kv_transfer_servicer,
     channel_options,
     receive_push,
 )
+from pdserve.rpc.registration import add_servicer
 
+_KV_SERVICE = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"]
 BLOCK_SHAPE = (4, 2, 8)  # block_size, kv_heads, head_dim
 BLOCK_BYTES = 4 * int(np.prod(BLOCK_SHAPE))  # float32
 KV_BLOCK_BYTES = 2 * BLOCK_BYTES  # one block of K and V
@@ -85,8 +87,13 @@ class Recorder:
         self.first_arrived.set()
 
 
+def zero_copy(servicer, server) -> None:
+    """KVTransfer on the one registration path, with PushKV's zero-copy parser."""
+    add_servicer(servicer, _KV_SERVICE, server, parsers=ZERO_COPY_PARSERS)
+
+
 @contextmanager
-def running_server(servicer: Servicer, register=add_kv_transfer_servicer) -> Iterator[str]:
+def running_server(servicer: Servicer, register=zero_copy) -> Iterator[str]:
     """A grpc.aio server on a free loopback port, in its own thread's event loop."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -127,7 +134,7 @@ def target(servicer) -> Iterator[str]:
 
 @pytest.mark.parametrize(
     "register",
-    [add_kv_transfer_servicer, kv_transfer_pb2_grpc.add_KVTransferServicer_to_server],
+    [zero_copy, kv_transfer_pb2_grpc.add_KVTransferServicer_to_server],
     ids=["zero-copy", "generated"],
 )
 def test_split_chunks_arrive_byte_identical_at_their_blocks(recorder, register):

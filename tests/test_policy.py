@@ -12,6 +12,7 @@ from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request
 from pdserve.router.policy import (
     CacheAwarePrefill,
+    CachedHashes,
     CachedHashSets,
     ColocationRule,
     LeastLoadedPrefill,
@@ -99,61 +100,87 @@ def test_cached_hash_sets_rebuild_for_a_new_snapshot_of_the_same_worker():
     assert cached_prefix_blocks(new, HASHES, hash_sets) == 3
 
 
+def test_hashes_the_router_added_count_as_cached_with_the_reported_ones():
+    view = CachedHashes(HASHES[:1], frozenset(HASHES[1:2]))
+
+    assert list(view) == HASHES[:2]
+    assert cached_prefix_blocks(worker("w", cached_block_hashes=view), HASHES) == 2
+    assert (
+        cached_prefix_blocks(worker("w", cached_block_hashes=view), HASHES, CachedHashSets()) == 2
+    )
+
+
+def test_cached_hash_sets_build_the_reported_set_once_whatever_the_router_adds():
+    hash_sets = CachedHashSets()
+    reported = HASHES[:1]
+    first = worker("w", cached_block_hashes=CachedHashes(reported, frozenset(HASHES[1:2])))
+    second = worker("w", cached_block_hashes=CachedHashes(reported, frozenset(HASHES[1:])))
+
+    reported_set, _ = hash_sets.of(first)
+
+    assert hash_sets.of(second)[0] is reported_set
+    assert cached_prefix_blocks(second, HASHES, hash_sets) == 3
+
+
 # -- prefill policies ------------------------------------------------------------------
 
 
-def test_cache_aware_ranks_by_cached_tokens_minus_weighted_queue():
-    policy = CacheAwarePrefill(load_weight=2.0)
+def test_cache_aware_ranks_by_prefill_saved_minus_prefill_queued_ahead():
+    # 4 prompt blocks of 4 tokens (3 cacheable, and the one holding the last token)
     workers = [
-        worker("idle", running=0),  # 0 - 0 = 0
-        worker("warm", cached_block_hashes=HASHES[:2], running=1),  # 8 - 2 = 6
-        worker("hot", cached_block_hashes=list(HASHES), running=1, waiting=1),  # 12 - 4 = 8
-        worker("busy", cached_block_hashes=list(HASHES), waiting=5),  # 12 - 10 = 2
+        worker("idle"),  # 0 - 0 * 16 = 0, saving 0
+        worker("warm", cached_block_hashes=HASHES[:2], running=1),  # 8 - 1 * 8 = 0, saving 8
+        worker("hot", cached_block_hashes=list(HASHES), running=1, waiting=1),  # 12 - 2 * 4
+        worker("busy", cached_block_hashes=list(HASHES), waiting=5),  # 12 - 5 * 4 = -8
+        worker("cold", waiting=1),  # 0 - 1 * 16 = -16
     ]
 
-    assert ids(policy.rank(workers, HASHES)) == ["hot", "warm", "busy", "idle"]
+    assert ids(CacheAwarePrefill().rank(workers, HASHES)) == ["hot", "warm", "idle", "busy", "cold"]
 
 
 @pytest.mark.parametrize(
-    ("cached_worker_queue", "expected_first"),
-    [(2, "cached"), (4, "idle"), (5, "idle")],  # 12 - 3q against 0: 6, 0 (tie), -3
+    ("holder_queue", "expected_first"),
+    # saved 12 tokens against a wait of 4 per queued request (its uncached last block):
+    # 12 - 4q against the idle worker's 0; at 3 the tie goes to the longer prefix
+    [(0, "holder"), (1, "holder"), (2, "holder"), (3, "holder"), (4, "idle"), (9, "idle")],
 )
-def test_cache_aware_longer_prefix_loses_to_an_idle_worker_past_the_load_weight(
-    cached_worker_queue, expected_first
+def test_cache_aware_holder_keeps_a_repeat_until_its_queue_outweighs_the_saving(
+    holder_queue, expected_first
 ):
-    policy = CacheAwarePrefill(load_weight=3.0)
     workers = [
-        worker("cached", cached_block_hashes=list(HASHES), running=cached_worker_queue),
+        worker("holder", cached_block_hashes=list(HASHES), waiting=holder_queue),
         worker("idle"),
     ]
 
-    assert ids(policy.rank(workers, HASHES))[0] == expected_first
+    assert ids(CacheAwarePrefill().rank(workers, HASHES))[0] == expected_first
 
 
-def test_cache_aware_breaks_ties_by_fewer_queued_then_address():
-    policy = CacheAwarePrefill(load_weight=0.0)
+def test_cache_aware_sends_a_prompt_cached_nowhere_to_the_shortest_queue():
+    workers = [worker("a", running=2), worker("b"), worker("c", waiting=1)]
+
+    assert ids(CacheAwarePrefill().rank(workers, HASHES)) == ["b", "c", "a"]
+    assert ids(CacheAwarePrefill().rank(workers, [])) == ["b", "c", "a"]  # under one block
+
+
+def test_cache_aware_breaks_ties_by_address_then_worker_id():
     workers = [
-        worker("c", address="10.0.0.1:1", waiting=1),
+        worker("d", address="10.0.0.3:1"),
+        worker("c", address="10.0.0.1:1"),
         worker("b", address="10.0.0.2:1"),
-        worker("a", address="10.0.0.3:1"),
+        worker("a", address="10.0.0.2:1"),  # a restarted worker, briefly listed twice
     ]
 
-    assert ids(policy.rank(workers, HASHES)) == ["b", "a", "c"]
+    assert ids(CacheAwarePrefill().rank(workers, HASHES)) == ["c", "a", "b", "d"]
 
 
-def test_cache_aware_counts_cached_tokens_in_the_workers_block_size():
-    policy = CacheAwarePrefill(load_weight=1.0)
+def test_cache_aware_counts_tokens_in_the_workers_block_size():
     workers = [
-        worker("small", cached_block_hashes=HASHES[:1], block_size=4),
-        worker("large", cached_block_hashes=HASHES[:1], block_size=16, running=8),
+        worker("small", cached_block_hashes=HASHES[:1], block_size=4),  # 4 - 0
+        worker("large", cached_block_hashes=HASHES[:1], block_size=16, running=1),  # 16 - 48
+        worker("large-idle", cached_block_hashes=HASHES[:1], block_size=16),  # 16 - 0
     ]
 
-    assert ids(policy.rank(workers, HASHES)) == ["large", "small"]  # 16 - 8 = 8 > 4
-
-
-def test_cache_aware_rejects_a_negative_load_weight():
-    with pytest.raises(ValueError, match="load_weight"):
-        CacheAwarePrefill(load_weight=-1.0)
+    assert ids(CacheAwarePrefill().rank(workers, HASHES)) == ["large-idle", "small", "large"]
 
 
 def test_least_loaded_ranks_by_queue_then_free_blocks_then_address():

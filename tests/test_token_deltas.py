@@ -15,8 +15,9 @@ import pytest
 from pdserve.api.v1 import common_pb2
 from pdserve.core.sampling_params import TokenLogprobs
 from pdserve.engine.outputs import RequestOutput
-from pdserve.router.runner import DeliveredTokens
-from pdserve.rpc.wire import deltas_to_proto, drop_first_tokens
+from pdserve.router.session import DeliveredTokens
+from pdserve.rpc.wire import drop_first_tokens
+from pdserve.rpc.wire.worker import deltas_to_proto
 
 # One engine step each: "é" takes two tokens (the first completes no character), one
 # step yields two tokens at once, and the last step has no token, only held-back text.

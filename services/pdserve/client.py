@@ -1,4 +1,4 @@
-"""A small client for the public Router API, blocking (`Client`) and asyncio (`AsyncClient`).
+"""A small client for the public Router API, asyncio (`AsyncClient`) and blocking (`Client`).
 
 Both speak plain Python objects (`Completion`, `Chunk`, `WorkerInfo`, ...) and raise
 `PdserveError`, built from the server's rich status, instead of raw gRPC errors:
@@ -7,23 +7,36 @@ Both speak plain Python objects (`Completion`, `Chunk`, `WorkerInfo`, ...) and r
         for chunk in client.stream("Once upon", SamplingParams(max_tokens=32)):
             print(chunk.text, end="", flush=True)
 
-The two classes share every conversion below and differ only in how they call.
+There is one implementation, `AsyncClient`; `Client` runs one on an event loop of its
+own, in a thread of its own, and waits for each call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
+import functools
+import inspect
+import threading
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from typing import Concatenate, ParamSpec, TypeVar
 
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from pdserve.api.v1 import router_pb2, router_pb2_grpc
-from pdserve.core.sampling_params import SamplingParams, TokenLogprobs
+from pdserve.core.responses import Chunk, Completion, ModelInfo, RequestInfo, Usage
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.workers import WorkerInfo
-from pdserve.rpc.wire import FINISH_REASON_NAMES, logprobs_from_proto, sampling_params_to_proto
+from pdserve.rpc.wire.client import (
+    chunk_from_proto,
+    generate_request_to_proto,
+    model_info_from_proto,
+    request_info_from_proto,
+    worker_info_from_status,
+)
 
 __all__ = [
     "AsyncClient",
@@ -33,9 +46,15 @@ __all__ = [
     "ModelInfo",
     "PdserveError",
     "RequestInfo",
+    "SamplingParams",
     "Usage",
     "WorkerInfo",
 ]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+# how long an interrupted call may take to cancel before the interrupt goes on anyway
+CANCEL_WAIT_S = 5.0
 
 
 class PdserveError(Exception):
@@ -98,177 +117,8 @@ def _rpc_errors() -> Iterator[None]:
         raise PdserveError.from_rpc_error(error) from error
 
 
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from a prefix cache
-
-
-@dataclass(slots=True)
-class Chunk:
-    """One streamed message: the tokens from `offset` on, and the final state on the last."""
-
-    request_id: str
-    offset: int  # index of token_ids[0] in the whole output
-    token_ids: list[int]
-    text: str
-    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, if asked
-    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last chunk only
-    usage: Usage | None = None  # last chunk only
-    # the router's per-phase milliseconds (queue_ms, ttft_ms, transfer_ms, decode_ms,
-    # total_ms); last chunk only, and None when re-attaching to an existing request
-    timings: dict[str, float] | None = None
-
-
-@dataclass(slots=True)
-class Completion:
-    """A whole completion (from `resume_from` on, when resuming)."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    usage: Usage
-    timings: dict[str, float] | None
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-
-    @classmethod
-    def from_chunks(cls, chunks: Sequence[Chunk]) -> Completion:
-        """Join a stream's chunks; the final state comes from the last one."""
-        if not chunks:
-            raise ValueError("a completion needs at least one chunk")
-        last = chunks[-1]
-        return cls(
-            request_id=last.request_id,
-            token_ids=[t for c in chunks for t in c.token_ids],
-            text="".join(c.text for c in chunks),
-            finish_reason=last.finish_reason,
-            usage=last.usage or Usage(),
-            timings=last.timings,
-            logprobs=[lp for c in chunks for lp in c.logprobs],
-        )
-
-
-@dataclass(slots=True)
-class RequestInfo:
-    """Where a request stands, from the shared request store (any router answers)."""
-
-    request_id: str
-    # queued | prefilling | transferring | decoding | finished | failed | cancelled
-    status: str
-    prefill_worker: str
-    decode_worker: str
-    usage: Usage
-    finish_reason: str | None
-    error: str
-    created_at: float  # unix seconds
-    updated_at: float
-
-
-@dataclass(slots=True)
-class ModelInfo:
-    model: str
-    architecture: str
-    vocab_size: int
-    max_model_len: int
-    model_fingerprint: str
-    eos_token_ids: list[int]
-
-
-class Client:
-    """Blocking client. `timeout` (seconds) bounds each call, a whole stream included."""
-
-    def __init__(self, address: str, *, timeout: float | None = None, options=None):
-        self.address = address
-        self.timeout = timeout
-        self._channel = grpc.insecure_channel(address, options=options)
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
-
-    def generate(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        resume_from: int | None = None,
-    ) -> Completion:
-        """The whole completion in one message (the router collects it)."""
-        request = _generate_request(prompt, params, request_id, resume_from, stream=False)
-        with _rpc_errors():
-            messages = list(self._stub.Generate(request, timeout=self.timeout))
-        return Completion.from_chunks([_chunk(m) for m in messages])
-
-    def stream(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        resume_from: int | None = None,
-    ) -> Iterator[Chunk]:
-        """Chunks as the router streams them. Leaving the loop early cancels the request."""
-        request = _generate_request(prompt, params, request_id, resume_from, stream=True)
-        call = self._stub.Generate(request, timeout=self.timeout)
-        try:
-            with _rpc_errors():
-                for message in call:
-                    yield _chunk(message)
-        finally:
-            call.cancel()  # no-op once the stream has ended
-
-    def cancel(self, request_id: str) -> bool:
-        """Cancel a running request (on any router); False if it had already ended."""
-        with _rpc_errors():
-            response = self._stub.Cancel(
-                router_pb2.CancelRequest(request_id=request_id), timeout=self.timeout
-            )
-        return response.cancelled
-
-    def get_request(self, request_id: str) -> RequestInfo:
-        with _rpc_errors():
-            info = self._stub.GetRequest(
-                router_pb2.GetRequestRequest(request_id=request_id), timeout=self.timeout
-            )
-        return _request_info(info)
-
-    def list_workers(self) -> list[WorkerInfo]:
-        """The healthy workers the router routes to, one per address."""
-        with _rpc_errors():
-            response = self._stub.ListWorkers(router_pb2.ListWorkersRequest(), timeout=self.timeout)
-        return [_worker_info(w) for w in response.workers]
-
-    def tokenize(self, text: str) -> list[int]:
-        with _rpc_errors():
-            response = self._stub.Tokenize(
-                router_pb2.TokenizeRequest(text=text), timeout=self.timeout
-            )
-        return list(response.token_ids)
-
-    def detokenize(self, token_ids: Sequence[int]) -> str:
-        with _rpc_errors():
-            response = self._stub.Detokenize(
-                router_pb2.DetokenizeRequest(token_ids=token_ids), timeout=self.timeout
-            )
-        return response.text
-
-    def model_info(self) -> ModelInfo:
-        with _rpc_errors():
-            response = self._stub.ModelInfo(router_pb2.ModelInfoRequest(), timeout=self.timeout)
-        return _model_info(response)
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-
 class AsyncClient:
-    """asyncio client: `Client`'s API with coroutines, and `async for` over `stream`.
+    """asyncio client. `timeout` (seconds) bounds each call, a whole stream included.
 
     Create it inside the event loop that uses it (gRPC's aio channels belong to one loop).
     """
@@ -288,10 +138,12 @@ class AsyncClient:
         resume_from: int | None = None,
     ) -> Completion:
         """The whole completion in one message (the router collects it)."""
-        request = _generate_request(prompt, params, request_id, resume_from, stream=False)
+        request = generate_request_to_proto(
+            prompt, params, request_id=request_id, resume_from=resume_from, stream=False
+        )
         with _rpc_errors():
             messages = [m async for m in self._stub.Generate(request, timeout=self.timeout)]
-        return Completion.from_chunks([_chunk(m) for m in messages])
+        return Completion.from_chunks([chunk_from_proto(m) for m in messages])
 
     async def stream(
         self,
@@ -302,58 +154,42 @@ class AsyncClient:
         resume_from: int | None = None,
     ) -> AsyncIterator[Chunk]:
         """Chunks as the router streams them. Leaving the loop early cancels the request."""
-        request = _generate_request(prompt, params, request_id, resume_from, stream=True)
+        request = generate_request_to_proto(
+            prompt, params, request_id=request_id, resume_from=resume_from, stream=True
+        )
         call = self._stub.Generate(request, timeout=self.timeout)
         try:
             with _rpc_errors():
                 async for message in call:
-                    yield _chunk(message)
+                    yield chunk_from_proto(message)
         finally:
             call.cancel()  # no-op once the stream has ended
 
     async def cancel(self, request_id: str) -> bool:
         """Cancel a running request (on any router); False if it had already ended."""
-        with _rpc_errors():
-            response = await self._stub.Cancel(
-                router_pb2.CancelRequest(request_id=request_id), timeout=self.timeout
-            )
-        return response.cancelled
+        request = router_pb2.CancelRequest(request_id=request_id)
+        return (await self._unary(self._stub.Cancel, request)).cancelled
 
     async def get_request(self, request_id: str) -> RequestInfo:
-        with _rpc_errors():
-            info = await self._stub.GetRequest(
-                router_pb2.GetRequestRequest(request_id=request_id), timeout=self.timeout
-            )
-        return _request_info(info)
+        request = router_pb2.GetRequestRequest(request_id=request_id)
+        return request_info_from_proto(await self._unary(self._stub.GetRequest, request))
 
     async def list_workers(self) -> list[WorkerInfo]:
         """The healthy workers the router routes to, one per address."""
-        with _rpc_errors():
-            response = await self._stub.ListWorkers(
-                router_pb2.ListWorkersRequest(), timeout=self.timeout
-            )
-        return [_worker_info(w) for w in response.workers]
+        response = await self._unary(self._stub.ListWorkers, router_pb2.ListWorkersRequest())
+        return [worker_info_from_status(w) for w in response.workers]
 
     async def tokenize(self, text: str) -> list[int]:
-        with _rpc_errors():
-            response = await self._stub.Tokenize(
-                router_pb2.TokenizeRequest(text=text), timeout=self.timeout
-            )
-        return list(response.token_ids)
+        request = router_pb2.TokenizeRequest(text=text)
+        return list((await self._unary(self._stub.Tokenize, request)).token_ids)
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
-        with _rpc_errors():
-            response = await self._stub.Detokenize(
-                router_pb2.DetokenizeRequest(token_ids=token_ids), timeout=self.timeout
-            )
-        return response.text
+        request = router_pb2.DetokenizeRequest(token_ids=token_ids)
+        return (await self._unary(self._stub.Detokenize, request)).text
 
     async def model_info(self) -> ModelInfo:
-        with _rpc_errors():
-            response = await self._stub.ModelInfo(
-                router_pb2.ModelInfoRequest(), timeout=self.timeout
-            )
-        return _model_info(response)
+        response = await self._unary(self._stub.ModelInfo, router_pb2.ModelInfoRequest())
+        return model_info_from_proto(response)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -364,86 +200,131 @@ class AsyncClient:
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
 
-
-# -- proto <-> client objects, shared by both clients --------------------------------------
-
-
-def _generate_request(
-    prompt: str | Sequence[int],
-    params: SamplingParams | None,
-    request_id: str | None,
-    resume_from: int | None,
-    stream: bool,
-) -> router_pb2.GenerateRequest:
-    request = router_pb2.GenerateRequest(
-        sampling=sampling_params_to_proto(params or SamplingParams()),
-        request_id=request_id or "",
-        stream=stream,
-    )
-    if isinstance(prompt, str):
-        request.text = prompt
-    else:
-        request.token_ids.ids.extend(prompt)
-    if resume_from is not None:
-        request.resume_from = resume_from
-    return request
+    async def _unary(self, method: grpc.aio.UnaryUnaryMultiCallable, request):
+        with _rpc_errors():
+            return await method(request, timeout=self.timeout)
 
 
-def _chunk(msg: router_pb2.GenerateResponse) -> Chunk:
-    return Chunk(
-        request_id=msg.request_id,
-        offset=msg.offset,
-        token_ids=list(msg.token_ids),
-        text=msg.text,
-        logprobs=[logprobs_from_proto(lp) for lp in msg.logprobs],
-        finish_reason=FINISH_REASON_NAMES.get(msg.finish_reason),
-        usage=_usage(msg.usage) if msg.HasField("usage") else None,
-        timings=_fields(msg.timings) if msg.HasField("timings") else None,
-    )
+def _blocking(
+    method: Callable[Concatenate[AsyncClient, P], Awaitable[T]],
+) -> Callable[Concatenate[Client, P], T]:
+    """`Client`'s version of an `AsyncClient` coroutine method: the same call, waited for."""
+
+    def call(self: Client, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._wait(method(self._client, *args, **kwargs))
+
+    return _client_method(call, method)
 
 
-def _usage(msg) -> Usage:
-    return Usage(msg.prompt_tokens, msg.completion_tokens, msg.cached_prompt_tokens)
+def _blocking_iter(
+    method: Callable[Concatenate[AsyncClient, P], AsyncIterator[T]],
+) -> Callable[Concatenate[Client, P], Iterator[T]]:
+    """`Client`'s version of an `AsyncClient` async generator method: a plain iterator."""
+
+    def iterate(self: Client, *args: P.args, **kwargs: P.kwargs) -> Iterator[T]:
+        return self._iterate(method(self._client, *args, **kwargs))
+
+    return _client_method(iterate, method, returns="Iterator[Chunk]")
 
 
-def _fields(msg) -> dict:
-    return {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
+def _client_method(wrapper: Callable, method: Callable, returns: str | None = None) -> Callable:
+    """Give `wrapper` the name, docstring and signature of `method`, as a `Client` method."""
+    functools.update_wrapper(wrapper, method)
+    wrapper.__qualname__ = f"Client.{method.__name__}"
+    if returns is not None:
+        wrapper.__signature__ = inspect.signature(method).replace(return_annotation=returns)
+    return wrapper
 
 
-def _request_info(msg: router_pb2.RequestInfo) -> RequestInfo:
-    return RequestInfo(
-        request_id=msg.request_id,
-        status=msg.status,
-        prefill_worker=msg.prefill_worker,
-        decode_worker=msg.decode_worker,
-        usage=_usage(msg.usage),
-        finish_reason=FINISH_REASON_NAMES.get(msg.finish_reason),
-        error=msg.error,
-        created_at=msg.created_at,
-        updated_at=msg.updated_at,
-    )
+class Client:
+    """Blocking client: `AsyncClient`'s methods as plain calls, and `stream` a plain iterator.
+
+    `timeout` (seconds) bounds each call, a whole stream included. The calls run on the
+    client's own event loop thread; any thread may make them.
+    """
+
+    def __init__(self, address: str, *, timeout: float | None = None, options=None):
+        self.address = address
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"pdserve-client-{address}", daemon=True
+        )
+        self._thread.start()
+        # a client dropped unclosed still ends its thread (as a dropped channel closes)
+        self._finalizer = weakref.finalize(self, self._loop.call_soon_threadsafe, self._loop.stop)
+        self._closed = False
+        self._client: AsyncClient = self._wait(_new_async_client(address, timeout, options))
+
+    @property
+    def timeout(self) -> float | None:
+        return self._client.timeout
+
+    @timeout.setter
+    def timeout(self, timeout: float | None) -> None:
+        self._client.timeout = timeout
+
+    generate = _blocking(AsyncClient.generate)
+    stream = _blocking_iter(AsyncClient.stream)
+    cancel = _blocking(AsyncClient.cancel)
+    get_request = _blocking(AsyncClient.get_request)
+    list_workers = _blocking(AsyncClient.list_workers)
+    tokenize = _blocking(AsyncClient.tokenize)
+    detokenize = _blocking(AsyncClient.detokenize)
+    model_info = _blocking(AsyncClient.model_info)
+
+    def close(self) -> None:
+        """Close the channel (ending open streams) and stop the loop thread; idempotent."""
+        if self._closed:
+            return
+        try:
+            self._wait(self._client.close())
+        finally:
+            self._closed = True
+            self._finalizer()  # stops the loop, once
+            self._thread.join()
+            self._loop.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _wait(self, awaitable: Awaitable[T]) -> T:
+        """Run `awaitable` on the client's loop and wait for it. Interrupted (Ctrl-C), it
+        is cancelled first, so leaving a stream that way cancels the request."""
+        if self._closed:
+            if inspect.iscoroutine(awaitable):
+                awaitable.close()  # never to run: no "never awaited" warning
+            raise RuntimeError("the client is closed")
+        settled = threading.Event()
+        future = asyncio.run_coroutine_threadsafe(_settling(awaitable, settled), self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            if future.cancel():
+                settled.wait(CANCEL_WAIT_S)
+            raise
+
+    def _iterate(self, chunks: AsyncIterator[T]) -> Iterator[T]:
+        try:
+            while True:
+                try:
+                    chunk = self._wait(anext(chunks))
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        finally:
+            if not self._closed:  # a closed channel has ended the stream already
+                self._wait(chunks.aclose())
 
 
-def _worker_info(msg: router_pb2.WorkerStatus) -> WorkerInfo:
-    return WorkerInfo(
-        worker_id=msg.worker_id,
-        role=msg.role,
-        address=msg.address,
-        free_blocks=msg.free_blocks,
-        total_blocks=msg.total_blocks,
-        running=msg.running,
-        waiting=msg.waiting,
-        updated_at=msg.updated_at,
-        healthy=msg.healthy,
-    )
+async def _new_async_client(address: str, timeout: float | None, options) -> AsyncClient:
+    return AsyncClient(address, timeout=timeout, options=options)  # in the loop it will use
 
 
-def _model_info(msg: router_pb2.ModelInfoResponse) -> ModelInfo:
-    return ModelInfo(
-        model=msg.model,
-        architecture=msg.architecture,
-        vocab_size=msg.vocab_size,
-        max_model_len=msg.max_model_len,
-        model_fingerprint=msg.model_fingerprint,
-        eos_token_ids=list(msg.eos_token_ids),
-    )
+async def _settling(coro: Awaitable[T], settled: threading.Event) -> T:
+    try:
+        return await coro
+    finally:
+        settled.set()

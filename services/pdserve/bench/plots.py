@@ -3,17 +3,28 @@
 Figures are built without pyplot (no global figure state, no GUI backend): a bare
 `Figure` saves PNGs through matplotlib's Agg canvas. Each function writes one PNG and
 returns its path; sizes and resolution keep every file well under 200 KB.
+
+matplotlib is the optional extra `pdserve[bench]`, and takes ~0.4 s to import: it is
+imported when a figure is drawn, so that this module (and every `pdserve` command)
+loads without it, and `require_matplotlib` lets `pdserve bench` refuse to start without.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
-
-from matplotlib.figure import Figure
-from matplotlib.patches import Patch
+from typing import TYPE_CHECKING
 
 from pdserve.bench.metrics import MS, SLO_ATTAINMENT_GOAL
 from pdserve.bench.report import BenchResult, RateRun
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+MISSING_MATPLOTLIB = (
+    "the plots need matplotlib, which is not installed: pip install 'pdserve[bench]' "
+    "(or pip install matplotlib)"
+)
 
 DPI = 100
 COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
@@ -26,9 +37,22 @@ PHASE_COLORS = {
 }
 
 
+def require_matplotlib() -> None:
+    """Raise RuntimeError, saying what to install, if matplotlib cannot be imported."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise RuntimeError(MISSING_MATPLOTLIB)
+
+
+def _figure(figsize: tuple[float, float]) -> Figure:
+    require_matplotlib()
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=figsize)
+
+
 def plot_cdfs(result: BenchResult, path: Path) -> Path:
     """TTFT and TPOT CDFs: a colour per configuration, a line style per rate."""
-    fig = Figure(figsize=(11, 4.2))
+    fig = _figure((11, 4.2))
     ttft_ax, tpot_ax = fig.subplots(1, 2)
     styles = LINESTYLES[-len(result.rates) :] if len(result.rates) <= len(LINESTYLES) else None
     for color, config in zip(COLORS, result.configs, strict=False):
@@ -68,7 +92,7 @@ def _cdf(ax, values: list[float], color: str, style: str, label: str) -> None:
 
 def plot_latency_vs_rate(result: BenchResult, path: Path) -> Path:
     """p90 TTFT and p90 TPOT (p99 dotted) against rate with the SLOs; SLO attainment."""
-    fig = Figure(figsize=(13, 4))
+    fig = _figure((13, 4))
     ttft_ax, tpot_ax, slo_ax = fig.subplots(1, 3)
     for color, config in zip(COLORS, result.configs, strict=False):
         rates = [run.rate for run in config.runs]
@@ -117,12 +141,14 @@ def plot_timeline(result: BenchResult, rate: float, path: Path) -> Path:
     phases: queue, prefill (to the first token), KV transfer and decode. One panel each."""
     runs = [(config.name, config.run_at(rate)) for config in result.configs]
     runs = [(name, run) for name, run in runs if run is not None]
-    fig = Figure(figsize=(11, 1.2 + 2.6 * len(runs)))
+    fig = _figure((11, 1.2 + 2.6 * len(runs)))
     axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False)
     for ax, (name, run) in zip(axes[:, 0], runs, strict=True):
         _timeline(ax, run)
         ax.set(ylabel="request", title=f"{name} @ {rate:g} req/s", xlim=(0, None))
     axes[-1, 0].set_xlabel("seconds since the run started")
+    from matplotlib.patches import Patch  # matplotlib is there: _figure checked
+
     handles = [Patch(color=c, label=phase) for phase, c in PHASE_COLORS.items()]
     axes[0, 0].legend(handles=handles, fontsize=7, loc="upper left", ncols=4)
     return _save(fig, path)

@@ -56,9 +56,9 @@ class ConfigRun:
 
 
 @dataclass(slots=True)
-class BenchResult:
-    command: str
-    model: str
+class Sweep:
+    """What a benchmark sends and how it judges it: the same for every configuration."""
+
     workload: Workload
     rates: list[float]
     duration_s: float
@@ -66,6 +66,16 @@ class BenchResult:
     num_warmup: int
     seed: int
     slo: SLO
+
+    def sweep_fields(self) -> dict[str, object]:
+        """This sweep's fields by name (shallow: the workload and SLO objects themselves)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Sweep)}
+
+
+@dataclass(slots=True)
+class BenchResult(Sweep):
+    command: str
+    model: str
     machine: dict[str, object]
     configs: list[ConfigRun] = field(default_factory=list)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 
 from pdserve.api.v1 import router_pb2, router_pb2_grpc
-from pdserve.cluster.processes import ChildProcess, spawn, wait_ready
+from pdserve.cluster.processes import ChildProcess, router_args, spawn, wait_ready, worker_args
 from pdserve.state.redis_server import redis_url
 
 REGISTRY_WAIT_S = 30.0
@@ -68,6 +68,9 @@ class LocalCluster:
     worker_args: list[str] = field(default_factory=list)
     router_args: list[str] = field(default_factory=list)
     redis: str | None = None  # REDIS_URL; None: a private server for this cluster
+    # False: the workers alone, for benchmarks that call them directly or start routers
+    # of their own; no Redis is started for them (they publish heartbeats to `redis` if set)
+    with_router: bool = True
     on_progress: Callable[[str], None] = lambda message: None
     children: list[ChildProcess] = field(default_factory=list)
     router: ChildProcess | None = None
@@ -87,8 +90,10 @@ class LocalCluster:
         return self
 
     def _start(self) -> None:
-        self.redis = self.redis or self._stack.enter_context(redis_url())
-        self.on_progress(f"redis at {self.redis}")
+        if self.with_router and self.redis is None:
+            self.redis = self._stack.enter_context(redis_url())
+        if self.redis is not None:
+            self.on_progress(f"redis at {self.redis}")
         roles = (
             ["prefill"] * self.shape.prefill
             + ["decode"] * self.shape.decode
@@ -99,39 +104,19 @@ class LocalCluster:
         with ThreadPoolExecutor(max_workers=len(workers)) as pool:
             for child in pool.map(wait_ready, workers):
                 self.on_progress(f"{child.name} ready at {child.address}")
-        self.router = spawn(
-            "router",
-            [
-                "router",
-                "--model",
-                self.model,
-                "--redis-url",
-                self.redis,
-                "--port",
-                str(self.router_port),
-                *self.router_args,
-            ],
-            str(self.run_dir),
-        )
+        if not self.with_router:
+            return
+        args = router_args(self.model, self.redis, self.router_args, port=self.router_port)
+        self.router = spawn("router", args, str(self.run_dir))
         self.children.append(self.router)
         wait_ready(self.router)
         self.on_progress(f"router ready at {self.router.address}")
         self._wait_registered(len(workers))
 
     def _spawn_worker(self, role: str, index: int) -> ChildProcess:
-        args = [
-            "serve",
-            role,
-            "--model",
-            self.model,
-            "--port",
-            "0",
-            "--threads",
-            str(self.threads),
-            "--redis-url",
-            self.redis,
-            *self.worker_args,
-        ]
+        args = worker_args(
+            role, self.model, self.worker_args, port=0, threads=self.threads, redis_url=self.redis
+        )
         name = f"{'colocated' if role == 'both' else role}-{index}"
         self.on_progress(f"starting {name} (loading the model)")
         return spawn(name, args, str(self.run_dir))

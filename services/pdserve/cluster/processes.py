@@ -1,5 +1,8 @@
 """Start a `pdserve` subcommand as a child process and wait for its ready line.
 
+A worker's or router's arguments come from one function each (`worker_args`,
+`router_args`), which names its settings as the config's fields.
+
 Every server prints `PDSERVE_READY key=value ...` (its bound address among them)
 once it serves; waiting for that line beats polling ports. Used by `pdserve up`,
 the benchmarks and the tests.
@@ -14,9 +17,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-READY_LINE = "PDSERVE_READY"
+from pdserve.core.flags import to_args
+from pdserve.router.config import RouterConfig
+from pdserve.rpc.server import READY_LINE
+from pdserve.worker.config import WorkerConfig
+
 READY_TIMEOUT_S = 180.0
 
 
@@ -43,8 +51,34 @@ class ChildProcess:
         return self.proc.returncode
 
 
-def spawn(name: str, args: list[str], log_dir: str, env: dict[str, str] | None = None):
-    """Start `python -m pdserve ARGS`; stderr goes to LOG_DIR/NAME.log.
+def worker_args(role: str, model: str, extra: Sequence[str] = (), **settings) -> list[str]:
+    """`serve ROLE --model MODEL ...`: the arguments of a worker process.
+
+    `settings` are `WorkerConfig` fields by name, the engine's included (`port=0`,
+    `block_size=32`); `extra` is appended as given (`pdserve up --worker-arg`), so it
+    wins over a setting of the same flag.
+    """
+    return ["serve", *to_args(WorkerConfig, role=role, model=model, **settings), *extra]
+
+
+def router_args(model: str, redis_url: str, extra: Sequence[str] = (), **settings) -> list[str]:
+    """`router --model MODEL --redis-url URL ...`: the arguments of a router process;
+    `settings` are `RouterConfig` fields by name, `extra` is appended as given."""
+    config_args = to_args(RouterConfig, model=model, redis_url=redis_url, **settings)
+    return ["router", *config_args, *extra]
+
+
+def spawn(
+    name: str,
+    args: list[str],
+    log_dir: str,
+    env: dict[str, str] | None = None,
+    python_args: Sequence[str] = (),
+):
+    """Start `python PYTHON_ARGS -m pdserve ARGS`; stderr goes to LOG_DIR/NAME.log.
+
+    `python_args` run it under another module (`-m cProfile -o PATH`: a benchmark's
+    profiled router).
 
     Each child gets a session of its own. Linux's autogroup scheduler shares the CPU
     between sessions first, so children in the caller's session would share one slice
@@ -55,7 +89,7 @@ def spawn(name: str, args: list[str], log_dir: str, env: dict[str, str] | None =
     log_path = os.path.join(log_dir, f"{name}.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve", *args],
+            [sys.executable, *python_args, "-m", "pdserve", *args],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,

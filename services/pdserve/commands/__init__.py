@@ -1,5 +1,5 @@
-"""Client-side subcommands (`pdserve generate`, `pdserve status`): one module each, each
-with `add_parser(subcommands)`. What they share lives here."""
+"""Every `pdserve` subcommand: one module each, each with `add_parser(subcommands)`
+(`cli.py` assembles them). What they share lives here."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
 EXIT_FAILURE = 1
+EXIT_USAGE = 2  # a flag or variable that cannot be used, as argparse exits
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
@@ -26,8 +27,8 @@ def router_address(flag: str | None) -> str:
     return flag or os.environ.get("PDSERVE_ROUTER") or DEFAULT_ROUTER
 
 
-def fail(command: str, error: BaseException | str) -> int:
-    """Print `pdserve COMMAND: error` as one line on stderr; the exit code for a failure."""
+def fail(command: str, error: BaseException | str, code: int = EXIT_FAILURE) -> int:
+    """Print `pdserve COMMAND: error` as one line on stderr; return `code` (the exit code)."""
     message = " ".join(str(error).split())  # one line, whatever the server's message holds
     print(f"pdserve {command}: {message}", file=sys.stderr)
-    return EXIT_FAILURE
+    return code

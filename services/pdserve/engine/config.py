@@ -1,12 +1,15 @@
-"""The engine's configuration (one per process). The model's shape is `core.model_config`."""
+"""The engine's configuration (one per process). The model's shape is `core.model_config`.
+
+Each field's metadata holds its help text: the worker's command line is made from these
+fields (`pdserve serve --block-size ...`). torch is imported only where a field needs it,
+so that building the command line does not load it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import torch
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # Share of the free GPU memory (after weights) that the KV cache takes at start-up.
 CUDA_KV_CACHE_FRACTION = 0.85
@@ -16,33 +19,65 @@ CUDA_KV_CACHE_FRACTION = 0.85
 class EngineConfig:
     """Everything one engine process needs, validated once."""
 
-    model: str
-    device: str = "cpu"
-    dtype: str = "float32"
-    block_size: int = 16
+    model: str = field(metadata={"help": "model directory in Hugging Face layout"})
+    device: str = field(
+        default="auto",
+        metadata={"help": "cpu, cuda[:N] or auto (cuda if present, chosen at start-up)"},
+    )
+    dtype: str = field(
+        default="float32", metadata={"help": "weights and KV cache dtype", "choices": DTYPES}
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
     # An explicit KV pool size wins over the memory budget.
-    num_kv_blocks: int | None = None
-    kv_cache_bytes: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    seed: int = 0
+    num_kv_blocks: int | None = field(
+        default=None,
+        metadata={"help": "KV-cache blocks (default: as many as the memory budget holds)"},
+    )
+    kv_cache_bytes: int | None = field(
+        default=None,
+        metadata={"help": "KV-cache memory budget (default: 1 GiB on CPU, 85% of free GPU)"},
+    )
+    max_num_seqs: int = field(default=64, metadata={"help": "requests running at once"})
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "tokens scheduled per engine step"}
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata={"help": "longest prompt + output (default: the model's context length)"},
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "reuse the KV blocks of a prompt prefix seen before"}
+    )
+    enable_chunked_prefill: bool = field(
+        default=True, metadata={"help": "split long prompts across engine steps"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of requests that set none"})
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        if self.device == "auto":  # chosen at start-up: the GPU when there is one
+            self.device = "cuda" if _cuda_available() else "cpu"
         if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device must be 'cpu', 'cuda[:N]' or 'auto', got {self.device!r}")
+        if self.device.startswith("cuda") and not _cuda_available():
             raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def torch_dtype(self):
+        """The torch dtype of `dtype` (a `torch.dtype`)."""
+        import torch
+
+        return getattr(torch, self.dtype)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

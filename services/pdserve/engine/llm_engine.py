@@ -6,8 +6,8 @@ import functools
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -31,6 +31,18 @@ from pdserve.engine.tokenizer import Tokenizer
 Prompt = str | Sequence[int]
 # (layer index, the step's plan) -> None
 StepLayerCallback = Callable[[int, SchedulerOutput], None]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerExport:
+    """One request's share of what a finished layer of a step exports (`export_layer`)."""
+
+    request_id: str
+    first_block: int  # index, among the request's blocks, of the chunk's first block
+    chunk: KVLayerChunk | None  # None: the step completed no block that was not sent
+    # Blocks [0, num_blocks_sent) of every layer are out once the step's last layer is.
+    num_blocks_sent: int
+    prompt_done: bool  # the step computed the prompt's last token: nothing more follows
 
 
 def _call_with_plan(callback: StepLayerCallback, plan: SchedulerOutput, layer: int) -> None:
@@ -199,15 +211,34 @@ class LLMEngine:
 
     # -- KV export and import (the disaggregated hand-off) --------------------------------
 
-    def export_kv(self, request_id: str, layer: int, num_tokens: int | None = None) -> KVLayerChunk:
-        """One layer's KV of a live request's first `num_tokens` tokens (default: computed).
+    def export_layer(
+        self, layer: int, plan: SchedulerOutput, num_blocks_sent: Mapping[str, int]
+    ) -> list[LayerExport]:
+        """What `layer`, just computed in step `plan`, exports for the requests named.
 
-        Call it from an `on_layer_done` callback of `step()` to ship a layer while later
-        layers still compute.
+        Call it from an `on_layer_done` callback of `step()`, to ship a layer while later
+        layers still compute. The requests are the keys of `num_blocks_sent`, whose values
+        count each one's leading blocks that earlier steps exported (0 before its first
+        step, so that the blocks of a cached prefix ship with it).
+
+        Each block goes out once: a block a prefill chunk leaves partly filled waits for
+        the step that completes it, or for the prompt's end. Sent twice, the older partial
+        copy could arrive last on another stream and overwrite the full one.
         """
-        request = self._live_request(request_id)
-        n = request.num_computed_tokens if num_tokens is None else num_tokens
-        return self.kv_cache.export_layer(layer, request.block_ids[: self._blocks_for(n)])
+        exports = []
+        for s in plan.scheduled:
+            request_id = s.request.request_id
+            first = num_blocks_sent.get(request_id)
+            if first is None:
+                continue
+            last = self._blocks_for(s.end) if s.produces_token else s.end // self.config.block_size
+            chunk = None
+            if last > first:
+                chunk = self.kv_cache.export_layer(layer, s.request.block_ids[first:last])
+            exports.append(
+                LayerExport(request_id, first, chunk, max(first, last), s.produces_token)
+            )
+        return exports
 
     def reserve_kv(
         self, prompt_token_ids: Sequence[int], params: SamplingParams, request_id: str
@@ -271,12 +302,6 @@ class LLMEngine:
             if request is None:
                 raise UnknownRequestError(request_id)
             self.block_manager.free(request)
-
-    def _live_request(self, request_id: str) -> Request:
-        request = self.scheduler.get_request(request_id) or self._reserved.get(request_id)
-        if request is None:
-            raise UnknownRequestError(request_id)
-        return request
 
     def _blocks_for(self, num_tokens: int) -> int:
         return num_blocks_for(num_tokens, self.config.block_size)

@@ -292,37 +292,10 @@ async def receive_push(request_iterator, on_chunk: OnChunk) -> kv_transfer_pb2.P
     return kv_transfer_pb2.PushKVResult(chunks=num_chunks, bytes=num_bytes)
 
 
-def add_kv_transfer_servicer(servicer, server) -> None:
-    """Register a KVTransfer servicer like the generated function, with PushKV zero-copy.
-
-    The servicer's PushKV receives ``ReceivedChunk`` items (payloads are views of the
-    received messages) instead of parsed ``KVChunk`` protos.
-    """
-    pb = kv_transfer_pb2
-    handlers = {
-        "Handshake": grpc.unary_unary_rpc_method_handler(
-            servicer.Handshake,
-            pb.HandshakeRequest.FromString,
-            pb.HandshakeResponse.SerializeToString,
-        ),
-        "PushKV": grpc.stream_unary_rpc_method_handler(
-            servicer.PushKV, decode_message, pb.PushKVResult.SerializeToString
-        ),
-        "CommitKV": grpc.unary_unary_rpc_method_handler(
-            servicer.CommitKV,
-            pb.CommitKVRequest.FromString,
-            pb.CommitKVResponse.SerializeToString,
-        ),
-        "RenewLease": grpc.unary_unary_rpc_method_handler(
-            servicer.RenewLease,
-            pb.RenewLeaseRequest.FromString,
-            pb.RenewLeaseResponse.SerializeToString,
-        ),
-    }
-    server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(_SERVICE.full_name, handlers),)
-    )
-    server.add_registered_method_handlers(_SERVICE.full_name, handlers)
+# KVTransfer's requests parsed without copying their payloads (`add_servicer`'s option):
+# the servicer's PushKV then receives ``ReceivedChunk`` items, whose payloads are views of
+# the received messages, instead of parsed ``KVChunk`` protos.
+ZERO_COPY_PARSERS = {"PushKV": decode_message}
 
 
 # glibc hands freed blocks of 128 KiB and more straight back to the kernel, so a process

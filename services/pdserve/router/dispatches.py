@@ -11,6 +11,14 @@ A dispatch counts while it is newer than the worker's ``updated_at`` and younger
 ``horizon_s``. The horizon bounds the cost of a snapshot that never moves (a worker
 whose clock runs ahead of ours, or one that stopped reporting), at which point the
 dispatch counts twice at worst for a moment: a conservative error, never a lost one.
+
+The same goes for prefix caches, as SGLang's router keeps an approximate tree of its
+own dispatches: the block hashes of a prompt sent to a worker count as cached there
+from the moment it is sent, so the next repeat finds its holder without waiting for a
+heartbeat. They count for the whole horizon, even against a newer snapshot: a snapshot
+taken after the dispatch may still predate its prefill (the request was queued, running,
+or not yet arrived), so a hash missing from it says nothing. Hashes the worker has
+reported anyway change nothing; the horizon bounds how long a claim outlives an eviction.
 """
 
 from __future__ import annotations
@@ -18,33 +26,94 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
-from pdserve.core.workers import WorkerInfo
+from pdserve.core.workers import MAX_CACHED_BLOCK_HASHES, WorkerInfo
+from pdserve.router.policy import CachedHashes
 
 # a heartbeat interval (1 s) plus a discovery refresh (0.5 s), with room to spare
 DEFAULT_HORIZON_S = 3.0
 COMPACT_AFTER = 1024  # expired dispatches kept before a worker's lists are trimmed
+# dispatched block hashes kept per worker, the newest: as many as a heartbeat carries
+MAX_DISPATCHED_HASHES = MAX_CACHED_BLOCK_HASHES
+
+
+class _SentHashes:
+    """The block hashes dispatched to one worker within the horizon, at most
+    MAX_DISPATCHED_HASHES, the most recently sent kept; frozen once per change."""
+
+    __slots__ = ("latest", "order", "num_dispatches", "_frozen")
+
+    def __init__(self) -> None:
+        # hash -> number of the latest dispatch that carried it (not its time: two
+        # dispatches may share a clock reading)
+        self.latest: dict[str, int] = {}
+        # (time, dispatch number, hash) per hash per dispatch, oldest first; an entry
+        # not the hash's latest was superseded by a later dispatch of the same hash
+        self.order: deque[tuple[float, int, str]] = deque()
+        self.num_dispatches = 0
+        self._frozen: frozenset[str] | None = None
+
+    def add(self, at: float, block_hashes: Sequence[str]) -> None:
+        number = self.num_dispatches = self.num_dispatches + 1
+        # Past the cap a prompt keeps its first blocks: a prefix is only of use from its
+        # start. (A prompt's hashes are chained, so all distinct.)
+        for block_hash in block_hashes[:MAX_DISPATCHED_HASHES]:
+            self.latest[block_hash] = number
+            self.order.append((at, number, block_hash))
+        self._frozen = None
+        while len(self.latest) > MAX_DISPATCHED_HASHES:
+            self._drop_oldest()
+        if len(self.order) > 2 * MAX_DISPATCHED_HASHES:  # superseded entries piled up
+            self.order = deque(entry for entry in self.order if self._is_latest(entry))
+
+    def expire(self, before: float) -> None:
+        while self.order and self.order[0][0] < before:
+            self._drop_oldest()
+
+    def _is_latest(self, entry: tuple[float, int, str]) -> bool:
+        return self.latest.get(entry[2]) == entry[1]
+
+    def _drop_oldest(self) -> None:
+        entry = self.order.popleft()
+        if self._is_latest(entry):
+            del self.latest[entry[2]]
+            self._frozen = None
+
+    def frozen(self) -> frozenset[str]:
+        if self._frozen is None:
+            self._frozen = frozenset(self.latest)
+        return self._frozen
 
 
 class _Sent:
     """One worker's dispatches within the horizon: their times, ascending, and running
     totals of their blocks, so what came after a snapshot is a bisection away, however
-    many requests per second the router sends."""
+    many requests per second the router sends; and the block hashes they carried."""
 
-    __slots__ = ("times", "totals", "base", "start")
+    __slots__ = ("times", "totals", "base", "start", "hashes", "_view")
 
     def __init__(self) -> None:
         self.times: list[float] = []
         self.totals: list[int] = []  # totals[i]: base + blocks of dispatches 0..i
         self.base = 0  # blocks of the dispatches trimmed off the front
         self.start = 0  # dispatches before it are past the horizon
+        self.hashes = _SentHashes()
+        self._view: CachedHashes | None = None  # the last snapshot's view, for reuse
 
-    def add(self, at: float, blocks: int) -> None:
+    @property
+    def is_empty(self) -> bool:
+        return self.start == len(self.times) and not self.hashes.latest
+
+    def add(self, at: float, num_blocks: int, block_hashes: Sequence[str]) -> None:
         # A wall clock may step back: keep the times sorted (a dispatch then counts as
         # a little later, never as seen before it was sent).
-        self.times.append(max(at, self.times[-1]) if self.times else at)
-        self.totals.append((self.totals[-1] if self.totals else self.base) + blocks)
+        at = max(at, self.times[-1]) if self.times else at
+        self.times.append(at)
+        self.totals.append((self.totals[-1] if self.totals else self.base) + num_blocks)
+        if block_hashes:
+            self.hashes.add(at, block_hashes)
 
     def expire(self, before: float) -> None:
         self.start = bisect.bisect_left(self.times, before, self.start)
@@ -52,6 +121,7 @@ class _Sent:
             self.base = self.totals[self.start - 1]
             del self.times[: self.start], self.totals[: self.start]
             self.start = 0
+        self.hashes.expire(before)
 
     def since(self, at: float) -> tuple[int, int]:
         """(how many, their blocks) dispatched after `at`, within the horizon."""
@@ -60,6 +130,28 @@ class _Sent:
         if not count:
             return 0, 0
         return count, self.totals[-1] - (self.totals[first - 1] if first else self.base)
+
+    def cached_view(self, reported: list[str]) -> list[str]:
+        """`reported` with the dispatched hashes added; the same object until either
+        changes, so a policy's per-snapshot caches are not rebuilt on every ranking."""
+        if not self.hashes.latest:
+            return reported
+        added, view = self.hashes.frozen(), self._view
+        if view is None or view.reported is not reported or view.added is not added:
+            view = self._view = CachedHashes(reported, added)
+        return view
+
+    def adjusted(self, worker: WorkerInfo) -> WorkerInfo:
+        count, num_blocks = self.since(worker.updated_at)
+        cached = self.cached_view(worker.cached_block_hashes)
+        if not count and cached is worker.cached_block_hashes:
+            return worker
+        return dataclasses.replace(
+            worker,
+            waiting=worker.waiting + count,
+            free_blocks=worker.free_blocks - num_blocks,
+            cached_block_hashes=cached,
+        )
 
 
 class RecentDispatches:
@@ -72,33 +164,52 @@ class RecentDispatches:
             raise ValueError(f"horizon_s must be > 0, got {horizon_s}")
         self.horizon_s, self._clock = horizon_s, clock
         self._sent: dict[str, _Sent] = {}
+        self._swept_at = -float("inf")
 
-    def record(self, address: str, blocks: int = 0) -> None:
-        """A request was just sent to ``address`` and will hold ``blocks`` KV blocks there."""
+    def __len__(self) -> int:
+        """Workers with dispatches remembered (departed ones are forgotten in time)."""
+        return len(self._sent)
+
+    def record(self, address: str, num_blocks: int = 0, block_hashes: Sequence[str] = ()) -> None:
+        """A request was just sent to ``address``.
+
+        Args:
+            num_blocks: KV blocks it will hold there.
+            block_hashes: its prompt's hex block hashes (``prompt_block_hashes``), when
+                the worker computes the prompt and so will have them in its prefix cache.
+        """
         sent = self._sent.get(address)
         if sent is None:
             sent = self._sent[address] = _Sent()
-        sent.add(self._clock(), blocks)
+        sent.add(self._clock(), num_blocks, block_hashes)
 
     def adjust(self, workers: Sequence[WorkerInfo]) -> list[WorkerInfo]:
         """``workers`` as they will report once they have seen what we sent since.
 
         Each dispatch newer than the worker's snapshot adds one waiting request and
-        takes its blocks from ``free_blocks``. Workers with none come back unchanged
+        takes its blocks from ``free_blocks``; the block hashes of every dispatch within
+        the horizon join ``cached_block_hashes``. Workers with none come back unchanged
         (the same objects, so per-snapshot caches keyed on them keep working).
         """
-        horizon = self._clock() - self.horizon_s
+        now = self._clock()
+        before = now - self.horizon_s
+        self._forget_departed(now, before)
         adjusted = []
         for worker in workers:
             sent = self._sent.get(worker.address)
             if sent is not None:
-                sent.expire(horizon)
-                count, blocks = sent.since(worker.updated_at)
-                if count:
-                    worker = dataclasses.replace(
-                        worker,
-                        waiting=worker.waiting + count,
-                        free_blocks=worker.free_blocks - blocks,
-                    )
+                sent.expire(before)
+                worker = sent.adjusted(worker)
             adjusted.append(worker)
         return adjusted
+
+    def _forget_departed(self, now: float, before: float) -> None:
+        """Once per horizon, drop the workers whose dispatches all expired: a worker
+        that left is never adjusted again, and would keep its hashes for good."""
+        if self._swept_at <= now < self._swept_at + self.horizon_s:
+            return  # (a clock that stepped back sweeps at once rather than never)
+        self._swept_at = now
+        for sent in self._sent.values():
+            sent.expire(before)
+        for address in [a for a, sent in self._sent.items() if sent.is_empty]:
+            del self._sent[address]

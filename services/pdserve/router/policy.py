@@ -19,36 +19,61 @@ from pdserve.core.block_hash import prompt_block_hashes  # noqa: F401
 if TYPE_CHECKING:
     from pdserve.core.workers import WorkerInfo
 
-# one queued request (running or waiting) on a prefill worker weighs as much as this many
-# cached prompt tokens: a typical prompt's prefill, which it has to wait for
-DEFAULT_LOAD_WEIGHT = 256.0
+
+class CachedHashes(list):
+    """A worker's `cached_block_hashes` with the hashes a router assumes it has too.
+
+    As a list it is `reported` (the worker's own report) followed by `added` (what the
+    router sent it since, `RecentDispatches`), so any reader sees the router's whole
+    view. Kept apart as well, so that `CachedHashSets` builds one set per report and a
+    dispatch costs only the set of what it added, not a set of the whole view.
+    """
+
+    __slots__ = ("reported", "added")
+
+    def __init__(self, reported: list[str], added: frozenset[str]):
+        super().__init__(reported)
+        self.extend(added)
+        self.reported, self.added = reported, added
+
+
+_NOTHING_ADDED: frozenset[str] = frozenset()
 
 
 class CachedHashSets:
-    """Each worker's `cached_block_hashes` as a set, built once per worker snapshot.
+    """Each worker's `cached_block_hashes` as sets, the reported one built once per report.
 
-    A snapshot is recognised by the identity of its list: the registry builds a new
+    A report is recognised by the identity of its list: the registry builds a new
     WorkerInfo, list included, on every refresh and never mutates one it handed out, so
     the same list object means the same contents. The list is kept alive with its set, so
     its id cannot be reused by another list.
     """
 
     def __init__(self) -> None:
-        # worker_id -> (the list the set was built from, the set)
+        # worker_id -> (the reported list the set was built from, the set)
         self._sets: dict[str, tuple[list[str], frozenset[str]]] = {}
 
-    def of(self, worker: WorkerInfo) -> frozenset[str]:
+    def of(self, worker: WorkerInfo) -> tuple[frozenset[str], frozenset[str]]:
+        """(reported, added): the worker's hashes as it reported them, and as the router
+        added to them (empty unless the snapshot came through `RecentDispatches`)."""
+        reported, added = _split(worker.cached_block_hashes)
         entry = self._sets.get(worker.worker_id)
-        if entry is None or entry[0] is not worker.cached_block_hashes:
-            entry = (worker.cached_block_hashes, frozenset(worker.cached_block_hashes))
+        if entry is None or entry[0] is not reported:
+            entry = (reported, frozenset(reported))
             self._sets[worker.worker_id] = entry
-        return entry[1]
+        return entry[1], added
 
     def retain(self, workers: Sequence[WorkerInfo]) -> None:
         """Forget every worker not in `workers`, so departed workers free their sets."""
         keep = {worker.worker_id for worker in workers}
         for worker_id in [w for w in self._sets if w not in keep]:
             del self._sets[worker_id]
+
+
+def _split(cached: list[str]) -> tuple[list[str], frozenset[str]]:
+    if isinstance(cached, CachedHashes):
+        return cached.reported, cached.added
+    return cached, _NOTHING_ADDED
 
 
 def cached_prefix_blocks(
@@ -59,12 +84,14 @@ def cached_prefix_blocks(
     Stops at the first miss: the worker reuses a prefix, never blocks after a gap. With
     `hash_sets` this is O(len(hashes)); without, the worker's set is built on each call.
     """
-    cached = (
-        hash_sets.of(worker) if hash_sets is not None else frozenset(worker.cached_block_hashes)
-    )
+    if hash_sets is not None:
+        reported, added = hash_sets.of(worker)
+    else:
+        reported_list, added = _split(worker.cached_block_hashes)
+        reported = frozenset(reported_list)
     num_blocks = 0
     for block_hash in hashes:
-        if block_hash not in cached:
+        if block_hash not in reported and block_hash not in added:
             break
         num_blocks += 1
     return num_blocks
@@ -93,26 +120,34 @@ class PrefillPolicy(Protocol):
 
 
 class CacheAwarePrefill:
-    """Prefer the longest cached prefix, weighed against the worker's queue.
+    """Weigh a cached prefix against the queue by prefill work, in tokens.
 
-    score = cached_tokens - load_weight * (running + waiting)
+        saved    = cached_prefix_blocks * block_size   (prompt tokens not computed there)
+        uncached = (num_prompt_blocks - cached_prefix_blocks) * block_size
+        ahead    = (running + waiting) * uncached         (prefill queued before ours)
+        score    = saved - ahead
 
-    where cached_tokens = cached_prefix_blocks * worker.block_size, the prompt tokens the
-    worker need not compute. Highest score first; ties go to fewer queued requests, then
-    address, then worker_id. `load_weight` is in tokens per queued request: a longer
-    cached prefix wins only while it saves more than `load_weight` tokens per extra
-    request in the queue. 0 ignores load entirely.
+    `num_prompt_blocks` is ``len(prompt_hashes) + 1``: the block holding the last token
+    is always computed. A snapshot counts a worker's requests but not their lengths, so
+    each one ahead is taken to need the prefill this prompt needs there; a worker's
+    queue holds what this policy sent it, the prompts that hit its cache. So a hot worker
+    with a long queue loses to an idle one once the wait outweighs the saving, while a
+    repeat on an idle cluster stays on its holder even though the router still counts
+    its own just-finished dispatches there (`RecentDispatches`) until a heartbeat.
+
+    Highest score first; ties go to the longer cached prefix (less prefill for the
+    cluster as a whole), then fewer queued requests, then address, then worker_id.
     """
 
-    def __init__(self, load_weight: float = DEFAULT_LOAD_WEIGHT):
-        if load_weight < 0:
-            raise ValueError(f"load_weight must be >= 0, got {load_weight}")
-        self.load_weight = load_weight
+    def __init__(self) -> None:
         self._hash_sets = CachedHashSets()
 
-    def score(self, worker: WorkerInfo, prompt_hashes: Sequence[str]) -> float:
-        num_blocks = cached_prefix_blocks(worker, prompt_hashes, self._hash_sets)
-        return num_blocks * worker.block_size - self.load_weight * num_queued(worker)
+    def score(self, worker: WorkerInfo, prompt_hashes: Sequence[str]) -> tuple[int, int]:
+        """(score, saved) for `worker`, both in prompt tokens (see the class docstring)."""
+        num_cached = cached_prefix_blocks(worker, prompt_hashes, self._hash_sets)
+        saved = num_cached * worker.block_size
+        uncached = (len(prompt_hashes) + 1 - num_cached) * worker.block_size
+        return saved - num_queued(worker) * uncached, saved
 
     def rank(self, workers: Sequence[WorkerInfo], prompt_hashes: Sequence[str]) -> list[WorkerInfo]:
         candidates = _healthy(workers)
@@ -120,7 +155,12 @@ class CacheAwarePrefill:
         scores = {id(worker): self.score(worker, prompt_hashes) for worker in candidates}
         return sorted(
             candidates,
-            key=lambda w: (-scores[id(w)], num_queued(w), *_identity_key(w)),
+            key=lambda w: (
+                -scores[id(w)][0],
+                -scores[id(w)][1],
+                num_queued(w),
+                *_identity_key(w),
+            ),
         )
 
 

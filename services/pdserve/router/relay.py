@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 import grpc
 
-from pdserve.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pdserve.api.v1 import decode_pb2, decode_pb2_grpc
+from pdserve.rpc.wire import is_final
 
 log = logging.getLogger(__name__)
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
-_UNFINISHED = common_pb2.FINISH_REASON_UNSPECIFIED
 
 
 class RelayStream:
@@ -79,7 +79,7 @@ class RelayStream:
             except Exception as exc:  # the consumer's bug: end this request, not the call
                 self._end(exc, detach=True)
                 return
-            if item.delta.finish_reason != _UNFINISHED:
+            if is_final(item.delta):
                 self._end(None, detach=False)
 
     def cancel(self) -> None:

@@ -1,141 +1,81 @@
-"""One request across the worker pools: admit on decode, prefill, stream; retried.
+"""One attempt at a request across the worker pools: pick workers, hand off, stream.
 
-Generation is deterministic for a given request (greedy, or seeded per output
-position; the router seeds unseeded requests), so a retry after a worker failed
-regenerates the same tokens: the runner skips the ones already delivered and the
-caller sees one uninterrupted stream.
+The runner decides where an attempt goes (cache-aware prefill, the decode worker with
+room, or both on one worker when colocating pays) and moves on to the next candidate
+when a worker refuses. Retrying a whole attempt is the session's (`router.session`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
-from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
-from pdserve.api.v1 import (
-    common_pb2,
-    decode_pb2,
-    decode_pb2_grpc,
-    prefill_pb2,
-    prefill_pb2_grpc,
-)
-from pdserve.core.block_hash import num_blocks_for, prompt_block_hashes
-from pdserve.core.errors import KVCapacityError, UnavailableError
+from pdserve.api.v1 import decode_pb2, prefill_pb2
+from pdserve.core.errors import KVCapacityError, PreconditionError, UnavailableError
 from pdserve.core.workers import WorkerInfo
 from pdserve.router.discovery import Discovery
 from pdserve.router.dispatches import RecentDispatches
+from pdserve.router.handoff import DEFAULT_LEASE_TTL_S, Admission, Attempt, ChannelPool, HandOff
 from pdserve.router.policy import ColocationRule, DecodePolicy, PrefillPolicy, cached_prefix_blocks
-from pdserve.router.relay import DecodeRelays
-from pdserve.rpc.wire import drop_first_tokens
-
-log = logging.getLogger(__name__)
-
-# A failed attempt with these codes is retried from the start on other workers.
-RETRYABLE_CODES = frozenset(
-    {
-        grpc.StatusCode.UNAVAILABLE,  # worker down or draining
-        grpc.StatusCode.ABORTED,  # KV push broke off (prefill worker died)
-        grpc.StatusCode.FAILED_PRECONDITION,  # lease expired or refused mid-hand-off
-        grpc.StatusCode.CANCELLED,  # a worker shut down under us
-        grpc.StatusCode.INTERNAL,  # a worker's engine step failed
-    }
-)
-FINISHED = common_pb2.FINISH_REASON_UNSPECIFIED
-# Retries wait a random time, growing from 0.05 s up to 0.5 s: spread out, so the retries
-# of the requests one dead worker held do not all arrive at once.
-RETRY_BACKOFF_BASE_S = 0.05
-RETRY_BACKOFF_MAX_S = 0.5
-RELEASE_TIMEOUT_S = 5.0
+from pdserve.rpc.wire import is_final
+from pdserve.rpc.wire.router import prefill_response_to_delta
 
 
-def _retryable(exc: BaseException) -> bool:
-    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in RETRYABLE_CODES
+class AttemptEvents(Protocol):
+    """What the runner tells the request's owner as an attempt moves on."""
+
+    def on_admitted(self, decode_worker: str) -> None:
+        """A decode worker holds the request's blocks: prefill comes next."""
+
+    def on_prefill_worker(self, prefill_worker: str) -> None:
+        """The prompt goes to this worker (the next one, after a refusal)."""
+
+    def on_first_token(self, delta: decode_pb2.TokenDelta, cached_prompt_tokens: int) -> None:
+        """The prefill worker returned the first token; its KV moves to the decode worker."""
+
+    def deliver_decoded(self, delta: decode_pb2.TokenDelta) -> None:
+        """A delta from the decode stream; called from the relay's reader: must not block."""
 
 
-def _log_retry(state) -> None:
-    exc = state.outcome.exception()
-    log.info("attempt %d failed (%s), retrying", state.attempt_number, exc.code().name)
-
-
-@dataclass
-class Progress:
-    """What the caller learns as the request moves (for Redis state and timings)."""
-
-    phase: str = "queued"  # queued | prefilling | transferring | decoding
-    prefill_worker: str = ""
-    decode_worker: str = ""
-    attempts: int = 0
-    admitted_at: float = 0.0
-    first_token_at: float = 0.0
-    first_decode_at: float = 0.0
-    cached_prompt_tokens: int = 0
-    on_change: Callable[[Progress], None] | None = field(default=None, repr=False)
-
-    def set(self, **fields) -> None:
-        for name, value in fields.items():
-            setattr(self, name, value)
-        if self.on_change is not None:
-            self.on_change(self)
-
-
-class DeliveredTokens:
-    """The tokens a caller has, so that a retry's regenerated stream adds only new ones."""
-
-    def __init__(self) -> None:
-        self.num_tokens = 0  # delivered, in all attempts
-        self._num_seen = 0  # tokens of the current attempt so far
-
-    def new_attempt(self) -> None:
-        self._num_seen = 0
-
-    def keep_new(self, delta: decode_pb2.TokenDelta) -> bool:
-        """Strip the tokens (and their text) the caller has; False: nothing left to send."""
-        num_tokens = len(delta.token_ids)
-        num_old = min(max(self.num_tokens - self._num_seen, 0), num_tokens)
-        self._num_seen += num_tokens
-        if num_old:
-            drop_first_tokens(delta, num_old)
-            if not (delta.token_ids or delta.text) and delta.finish_reason == FINISHED:
-                return False
-        self.num_tokens = max(self.num_tokens, self._num_seen)
-        return True
-
-
-class ChannelPool:
-    """One grpc.aio channel per worker address, reused by every request."""
-
-    def __init__(self, options=None):
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._options = options or []
-
-    def get(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
-            self._channels[address] = channel
-        return channel
-
-    async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
-
-
-@dataclass
+@dataclass(slots=True)
 class RunnerConfig:
-    block_size: int = 16
-    lease_ttl_ms: int = 10_000
-    max_attempts: int = 3
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    max_attempts: int = 3  # per request, the first included (the session retries)
     stream_interval: int = 1  # tokens per decode message (see decode.proto StreamRequest)
     colocation: ColocationRule = field(default_factory=ColocationRule)
 
 
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """The candidate workers of one attempt, as discovery lists them now."""
+
+    decode: list[WorkerInfo]
+    prefill: list[WorkerInfo]
+
+    @property
+    def block_size(self) -> int:
+        """The KV block size the candidates share; they must agree, since the router
+        hashes the prompt and counts its blocks in one size for all of them."""
+        sizes = {worker.block_size for worker in (*self.decode, *self.prefill)}
+        if len(sizes) != 1:
+            raise PreconditionError(_disagreement(self.decode + self.prefill))
+        return sizes.pop()
+
+
+def _disagreement(workers: Sequence[WorkerInfo]) -> str:
+    listed = ", ".join(f"{w.address} ({w.role}) {w.block_size}" for w in workers)
+    return (
+        f"the workers disagree on the KV block size ({listed}): start them all with "
+        "the same --block-size"
+    )
+
+
 class RequestRunner:
+    """Runs attempts: picks the workers for each and drives the hand-off across them."""
+
     def __init__(
         self,
         discovery: Discovery,
@@ -144,231 +84,103 @@ class RequestRunner:
         channels: ChannelPool,
         config: RunnerConfig,
     ):
-        self.discovery, self.channels, self.config = discovery, channels, config
+        self.discovery, self.config = discovery, config
         self.prefill_policy, self.decode_policy = prefill_policy, decode_policy
         self.dispatches = RecentDispatches()
-        self.relays = DecodeRelays(channels.get)
-        self._releases: set[asyncio.Future] = set()  # abandoned leases being given back
-
-    async def run(
-        self,
-        request_id: str,
-        prompt: list[int],
-        sampling: common_pb2.SamplingParams,
-        progress: Progress,
-        deliver: Callable[[decode_pb2.TokenDelta], None],
-        timeout: float | None = None,
-    ) -> None:
-        """Run the request to its end, handing each delta to `deliver` exactly once,
-        across retries. Decode deltas are delivered from the relay's reader, as they
-        arrive: `deliver` must not block."""
-        delivered = DeliveredTokens()
-
-        def deliver_new(delta: decode_pb2.TokenDelta) -> None:
-            if delivered.keep_new(delta):
-                deliver(delta)
-
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(self.config.max_attempts),
-            wait=wait_random_exponential(multiplier=RETRY_BACKOFF_BASE_S, max=RETRY_BACKOFF_MAX_S),
-            retry=retry_if_exception(_retryable),
-            before_sleep=_log_retry,
-            reraise=True,
+        self.handoff = HandOff(
+            channels, lease_ttl_s=config.lease_ttl_s, stream_interval=config.stream_interval
         )
-        async for attempt in retrying:
-            with attempt:
-                progress.set(attempts=progress.attempts + 1)
-                delivered.new_attempt()
-                await self._attempt(request_id, prompt, sampling, progress, timeout, deliver_new)
 
-    async def _attempt(self, request_id, prompt, sampling, progress, timeout, deliver) -> None:
-        blocks_needed = num_blocks_for(len(prompt) + sampling.max_tokens, self.config.block_size)
-        decodes = self.decode_policy.rank(
-            self.dispatches.adjust(self.discovery.workers("decode")), blocks_needed
-        )
-        if not decodes:
+    async def run(self, attempt: Attempt, events: AttemptEvents) -> None:
+        """One attempt, to the request's final delta; raises what ended it otherwise
+        (`grpc.aio.AioRpcError` from a worker, or a domain error)."""
+        decode_workers = self.discovery.workers("decode")
+        if not decode_workers:
             raise UnavailableError("no healthy decode worker")
-        hashes = prompt_block_hashes(prompt, self.config.block_size)
+        pool = Pool(decode_workers, self.discovery.workers("prefill"))
+        attempt = attempt.for_block_size(pool.block_size)
+        decodes = self.decode_policy.rank(
+            self.dispatches.adjust(pool.decode), attempt.num_blocks_needed
+        )
         first_choice = decodes[0]
-        cached = cached_prefix_blocks(first_choice, hashes) * self.config.block_size
-        if self.config.colocation.should_colocate(len(prompt), cached):
-            self.dispatches.record(first_choice.address, blocks_needed)
-            await self._colocated(
-                first_choice, request_id, prompt, sampling, progress, timeout, deliver
-            )
+        cached = cached_prefix_blocks(first_choice, attempt.block_hashes) * attempt.block_size
+        if self.config.colocation.should_colocate(len(attempt.prompt), cached):
+            await self._colocated(first_choice, attempt, events)
             return
-        decode, lease = await self._admit(
-            decodes, blocks_needed, request_id, prompt, sampling, progress, timeout
-        )
-        # Attached before prefill runs, so that no token waits on us.
-        stream = self.relays.open(
-            decode.address,
-            decode_pb2.RelayAttach(
-                lease_id=lease.lease_id,
-                stream_interval=self.config.stream_interval,
-            ),
-            timeout,
-        )
+        admission = await self._admit(decodes, attempt, events)
+        stream = self.handoff.attach(admission, attempt)
         try:
-            first = await self._prefill(
-                hashes, request_id, prompt, sampling, decode, lease, progress, timeout
-            )
-            deliver(first)
-            if first.finish_reason != FINISHED:
-                return
-            await stream.deliver(_marking_decoding(progress, deliver))
+            response = await self._prefill(pool.prefill, admission, attempt, events)
+            head = prefill_response_to_delta(response)
+            events.on_first_token(head, response.usage.cached_prompt_tokens)
+            if not is_final(head):
+                await stream.deliver(events.deliver_decoded)
         finally:
             stream.cancel()  # no-op when it ended; frees the decode side when we stop early
 
     async def _admit(
-        self,
-        decodes: list[WorkerInfo],
-        blocks_needed: int,
-        request_id,
-        prompt,
-        sampling,
-        progress,
-        timeout,
-    ):
+        self, decodes: list[WorkerInfo], attempt: Attempt, events: AttemptEvents
+    ) -> Admission:
         """Admit on the first decode worker with room; RESOURCE_EXHAUSTED moves on."""
-        exhausted = 0
+        num_exhausted = 0
         for worker in decodes:
-            stub = decode_pb2_grpc.DecodeStub(self.channels.get(worker.address))
             # Recorded before the call: requests that arrive while it is in flight must
             # already see this one (a refused one makes a full worker look fuller: harmless).
-            self.dispatches.record(worker.address, blocks_needed)
-            admitting = asyncio.ensure_future(
-                stub.Admit(
-                    decode_pb2.AdmitRequest(
-                        request_id=request_id,
-                        prompt_token_ids=prompt,
-                        sampling=sampling,
-                        lease_ttl_ms=self.config.lease_ttl_ms,
-                    ),
-                    timeout=timeout,
-                )
-            )
+            self.dispatches.record(worker.address, attempt.num_blocks_needed)
             try:
-                lease = await asyncio.shield(admitting)
-            except asyncio.CancelledError:
-                # We stop here, but the worker may admit all the same: give that lease
-                # back at once rather than leave its blocks reserved until it expires.
-                admitting.add_done_callback(lambda done, s=stub: self._give_back(s, done))
-                raise
+                admission = await self.handoff.admit(worker.address, attempt)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    exhausted += 1
+                    num_exhausted += 1
                     continue
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
                     self.discovery.mark_unhealthy(worker.address)
                     continue
                 raise
-            progress.set(
-                phase="prefilling", decode_worker=worker.address, admitted_at=time.monotonic()
-            )
-            return worker, lease
-        if exhausted:
-            raise KVCapacityError(f"no decode worker has room ({exhausted} full)")
+            events.on_admitted(worker.address)
+            return admission
+        if num_exhausted:
+            raise KVCapacityError(f"no decode worker has room ({num_exhausted} full)")
         raise UnavailableError("no decode worker reachable")
 
-    def _give_back(self, stub: decode_pb2_grpc.DecodeStub, admitting: asyncio.Future) -> None:
-        if admitting.cancelled() or admitting.exception() is not None:
-            return
-        release = stub.Release(
-            decode_pb2.ReleaseRequest(lease_id=admitting.result().lease_id),
-            timeout=RELEASE_TIMEOUT_S,
-        )
-        task = asyncio.ensure_future(release)
-        self._releases.add(task)
-        task.add_done_callback(self._released)
-
-    def _released(self, task: asyncio.Future) -> None:
-        self._releases.discard(task)
-        if not task.cancelled() and task.exception() is not None:  # it expires in the end
-            log.info("giving back an abandoned lease failed: %s", task.exception())
-
     async def _prefill(
-        self, hashes, request_id, prompt, sampling, decode, lease, progress, timeout
-    ) -> decode_pb2.TokenDelta:
+        self,
+        prefill_workers: list[WorkerInfo],
+        admission: Admission,
+        attempt: Attempt,
+        events: AttemptEvents,
+    ) -> prefill_pb2.PrefillResponse:
+        """Prefill on the best prefill worker; UNAVAILABLE moves on (the lease stays open)."""
         prefills = self.prefill_policy.rank(
-            self.dispatches.adjust(self.discovery.workers("prefill")), hashes
+            self.dispatches.adjust(prefill_workers), attempt.block_hashes
         )
         if not prefills:
             raise UnavailableError("no healthy prefill worker")
         last_error: Exception | None = None
         for worker in prefills:
-            stub = prefill_pb2_grpc.PrefillStub(self.channels.get(worker.address))
-            progress.set(prefill_worker=worker.address)
-            self.dispatches.record(worker.address)
+            events.on_prefill_worker(worker.address)
+            # what the worker will hold in its prefix cache, before its next report says so
+            self.dispatches.record(worker.address, block_hashes=attempt.block_hashes)
             try:
-                response = await stub.Prefill(
-                    prefill_pb2.PrefillRequest(
-                        request_id=request_id,
-                        prompt_token_ids=prompt,
-                        sampling=sampling,
-                        target=prefill_pb2.KVTarget(
-                            address=decode.address, lease_id=lease.lease_id
-                        ),
-                    ),
-                    timeout=timeout,
-                )
+                return await self.handoff.prefill(worker.address, admission, attempt)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
                 self.discovery.mark_unhealthy(worker.address)
                 last_error = exc  # the lease is still open: the next worker pushes into it
-                continue
-            progress.set(
-                phase="transferring",
-                first_token_at=time.monotonic(),
-                cached_prompt_tokens=response.usage.cached_prompt_tokens,
-            )
-            head = decode_pb2.TokenDelta(
-                token_ids=[response.first_token_id],
-                text=response.text,
-                finish_reason=response.finish_reason,
-            )
-            if response.HasField("logprobs"):
-                head.logprobs.append(response.logprobs)
-            if response.finish_reason != FINISHED:
-                head.usage.CopyFrom(response.usage)
-            return head
         raise last_error
 
-    async def _colocated(
-        self, worker, request_id, prompt, sampling, progress, timeout, deliver
-    ) -> None:
-        progress.set(
-            phase="prefilling",
-            prefill_worker=worker.address,
-            decode_worker=worker.address,
-            admitted_at=time.monotonic(),
+    async def _colocated(self, worker: WorkerInfo, attempt: Attempt, events: AttemptEvents) -> None:
+        self.dispatches.record(
+            worker.address, attempt.num_blocks_needed, block_hashes=attempt.block_hashes
         )
-        stream = self.relays.open(
-            worker.address,
-            decode_pb2.RelayAttach(
-                stream_interval=self.config.stream_interval,
-                generate=decode_pb2.LocalGenerateRequest(
-                    request_id=request_id, prompt_token_ids=prompt, sampling=sampling
-                ),
-            ),
-            timeout,
-        )
+        events.on_admitted(worker.address)
+        events.on_prefill_worker(worker.address)
+        stream = self.handoff.colocated(worker.address, attempt)
         try:
-            await stream.deliver(_marking_decoding(progress, deliver, first_token_here=True))
+            await stream.deliver(events.deliver_decoded)
         finally:
             stream.cancel()
 
-
-def _marking_decoding(progress: Progress, deliver, first_token_here: bool = False):
-    """`deliver`, after marking the request as decoding at its first decode delta."""
-
-    def deliver_and_mark(delta: decode_pb2.TokenDelta) -> None:
-        if progress.phase != "decoding":
-            now = time.monotonic()
-            if first_token_here:  # colocated: the first token comes with the decode stream
-                progress.first_token_at = now
-            progress.set(phase="decoding", first_decode_at=now)
-        deliver(delta)
-
-    return deliver_and_mark
+    async def close(self) -> None:
+        await self.handoff.close()

@@ -4,12 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
-from dataclasses import dataclass, field
-
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from pdserve.api.v1 import router_pb2
 from pdserve.core.checkpoint import model_fingerprint
@@ -17,95 +11,86 @@ from pdserve.core.errors import ModelLoadError
 from pdserve.core.model_config import ModelConfig
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.cancel_bus import CancelBus
+from pdserve.router.config import DiscoveryKind, RouterConfig
 from pdserve.router.discovery import KubernetesDiscovery, RedisDiscovery, StaticDiscovery
-from pdserve.router.policy import ColocationRule, MostFreeDecode, make_prefill_policy
-from pdserve.router.runner import ChannelPool, RequestRunner, RunnerConfig
+from pdserve.router.handoff import ChannelPool
+from pdserve.router.policy import MostFreeDecode, make_prefill_policy
+from pdserve.router.runner import RequestRunner, RunnerConfig
 from pdserve.router.service import RouterServicer
-from pdserve.rpc.registration import add_servicer
-from pdserve.rpc.server import KEEPALIVE_OPTIONS, announce_ready, configure_logging, stop_on_signals
+from pdserve.rpc import server as rpc_server
+from pdserve.rpc.registration import Service
+from pdserve.rpc.server import KEEPALIVE_OPTIONS, ServerOptions, message_size_options
 from pdserve.state.registry import WorkerRegistry
 from pdserve.state.requests import RequestStore
 
+__all__ = ["RouterConfig", "main", "serve"]
 log = logging.getLogger(__name__)
-SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"]
 MAX_MESSAGE_BYTES = 16 << 20
 
 
-@dataclass(slots=True)
-class RouterConfig:
-    model: str  # the model directory: tokenizer and config (weights optional)
-    redis_url: str
-    host: str = "127.0.0.1"
-    port: int = 0
-    discovery: str = "redis"  # redis | static | kubernetes
-    prefill: list[str] = field(default_factory=list)  # static discovery
-    decode: list[str] = field(default_factory=list)
-    both: list[str] = field(default_factory=list)
-    k8s_namespace: str = "default"
-    k8s_prefill_service: str = "pdserve-prefill"
-    k8s_decode_service: str = "pdserve-decode"
-    prefill_policy: str = "cache_aware"
-    colocate: bool = False  # conditional disaggregation (off by default)
-    colocate_max_prompt_tokens: int = 256
-    max_inflight: int = 256
-    lease_ttl_ms: int = 10_000
-    max_attempts: int = 3
-    stream_interval: int = 1  # tokens per decode message (see decode.proto StreamRequest)
-    grace_s: float = 30.0
-    router_id: str = field(default_factory=lambda: "router-" + uuid.uuid4().hex[:8])
-
-    def __post_init__(self) -> None:
-        if self.discovery not in ("redis", "static", "kubernetes"):
-            raise ValueError(f"discovery must be redis, static or kubernetes: {self.discovery!r}")
-        if self.discovery == "static" and not ((self.prefill and self.decode) or self.both):
-            raise ValueError("static discovery needs --prefill and --decode (or --both) addresses")
-        if self.max_inflight < 1:
-            raise ValueError(f"max_inflight must be >= 1, got {self.max_inflight}")
-        if self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be >= 1, got {self.stream_interval}")
-
-
 def make_discovery(config: RouterConfig):
-    if config.discovery == "static":
+    if config.discovery is DiscoveryKind.STATIC:
         return StaticDiscovery(prefill=config.prefill, decode=config.decode, both=config.both)
-    if config.discovery == "kubernetes":
+    if config.discovery is DiscoveryKind.KUBERNETES:
         return KubernetesDiscovery(
             config.k8s_namespace, config.k8s_prefill_service, config.k8s_decode_service
         )
     return RedisDiscovery(WorkerRegistry(config.redis_url))
 
 
-async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
-    stop = stop or asyncio.Event()
-    tokenizer = Tokenizer.from_dir(config.model)
+class RouterApp:
+    """The router's parts, built from its config; `rpc.server.serve` runs them."""
+
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.store = RequestStore(config.redis_url)
+        self.discovery = make_discovery(config)
+        self.channels = ChannelPool(options=KEEPALIVE_OPTIONS)
+        self.runner = RequestRunner(
+            self.discovery,
+            make_prefill_policy(config.prefill_policy),
+            MostFreeDecode(),
+            self.channels,
+            RunnerConfig(
+                lease_ttl_s=config.lease_ttl_s,
+                max_attempts=config.max_attempts,
+                stream_interval=config.stream_interval,
+                colocation=config.colocation,
+            ),
+        )
+        self.servicer = _servicer(config, self.runner, self.store, self.discovery)
+
+    @property
+    def services(self) -> list[Service]:
+        return [Service(self.servicer, ROUTER_SERVICE)]
+
+    async def start(self, port: int) -> dict[str, object]:
+        await self.store.start()
+        await self.discovery.start()
+        await self.servicer.cancel_bus.start(self.servicer.cancel_local)
+        return {"id": self.config.router_id}
+
+    async def drain(self) -> None:
+        """Nothing to leave: workers are not told about routers."""
+
+    async def close(self) -> None:
+        await self.servicer.cancel_bus.close()
+        await self.discovery.stop()
+        await self.runner.close()
+        await self.channels.close()
+        await self.store.close()
+
+
+def _servicer(config: RouterConfig, runner, store, discovery) -> RouterServicer:
     model_config = ModelConfig.from_dir(config.model)
     try:
         fingerprint = model_fingerprint(config.model)
     except (ModelLoadError, OSError):  # a router may hold only the tokenizer and config
         fingerprint = ""
-    store = RequestStore(config.redis_url)
-    await store.start()
-    discovery = make_discovery(config)
-    await discovery.start()
-    channels = ChannelPool(options=KEEPALIVE_OPTIONS)
-    runner = RequestRunner(
-        discovery,
-        make_prefill_policy(config.prefill_policy),
-        MostFreeDecode(),
-        channels,
-        RunnerConfig(
-            block_size=16,
-            lease_ttl_ms=config.lease_ttl_ms,
-            max_attempts=config.max_attempts,
-            stream_interval=config.stream_interval,
-            colocation=ColocationRule(
-                enabled=config.colocate, max_prompt_tokens=config.colocate_max_prompt_tokens
-            ),
-        ),
-    )
-    servicer = RouterServicer(
+    return RouterServicer(
         model_dir=config.model,
-        tokenizer=tokenizer,
+        tokenizer=Tokenizer.from_dir(config.model),
         model_config=model_config,
         fingerprint=fingerprint,
         max_model_len=model_config.max_position_embeddings,
@@ -116,40 +101,19 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         router_id=config.router_id,
         max_inflight=config.max_inflight,
     )
-    await servicer.cancel_bus.start(servicer.cancel_local)
 
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            *KEEPALIVE_OPTIONS,
-        ]
-    )
-    add_servicer(servicer, router_pb2.DESCRIPTOR.services_by_name["Router"], server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    stop_on_signals(stop)
-    announce_ready(role="router", address=f"{config.host}:{port}", id=config.router_id)
-    await stop.wait()
 
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(grace=config.grace_s)
-    await servicer.cancel_bus.close()
-    await discovery.stop()
-    await runner.relays.close()
-    await channels.close()
-    await store.close()
+async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve until `stop` is set or SIGTERM/SIGINT arrives, then drain and exit."""
+    options = ServerOptions(
+        role="router",
+        host=config.host,
+        port=config.port,
+        grace_s=config.grace_s,
+        grpc_options=message_size_options(MAX_MESSAGE_BYTES),
+    )
+    await rpc_server.serve(RouterApp(config), options, stop)
 
 
 def main(config: RouterConfig) -> int:
-    configure_logging(config.router_id)
-    asyncio.run(serve(config))
-    return 0
+    return rpc_server.run(config.router_id, serve(config))

@@ -1,14 +1,17 @@
-"""Register servicers so that a request that does not even parse is INVALID_ARGUMENT.
+"""The one way a servicer is registered: lenient parsing, and a parser per method on demand.
 
 gRPC's generated registration parses requests before the handler runs; a message
 with invalid UTF-8 in a string field then fails inside gRPC and the client sees an
-opaque error. Here parsing failures become an `UndecodableRequest` that the
-`rpc_errors` wrapper turns into INVALID_ARGUMENT naming the offending field.
+opaque error. Here parsing failures of a unary request become an `UndecodableRequest`
+that the `rpc_errors` wrapper turns into INVALID_ARGUMENT naming the offending field.
+A method may bring its own parser instead (KVTransfer.PushKV reads its payloads without
+copying them: `kv.transfer.ZERO_COPY_PARSERS`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf import descriptor as _descriptor
@@ -30,16 +33,49 @@ class UndecodableRequest:
     message: str
 
 
-def add_servicer(servicer, service: _descriptor.ServiceDescriptor, server) -> None:
-    """Like the generated add_*Servicer_to_server, with lenient request parsing."""
+Parser = Callable[[bytes], object]
+
+
+@dataclass(frozen=True, slots=True)
+class Service:
+    """One gRPC service a process serves: its servicer, and parsers in place of protobuf's."""
+
+    servicer: object
+    descriptor: _descriptor.ServiceDescriptor
+    parsers: Mapping[str, Parser] = field(default_factory=dict)  # method name -> parser
+
+    @property
+    def name(self) -> str:
+        return self.descriptor.full_name
+
+
+def add_servicer(
+    servicer,
+    service: _descriptor.ServiceDescriptor,
+    server,
+    parsers: Mapping[str, Parser] | None = None,
+) -> None:
+    """Like the generated add_*Servicer_to_server, with lenient parsing of unary requests.
+
+    `parsers` maps a method's name to the function that parses its requests instead.
+    Streamed requests are parsed strictly (as the generated code does): they reach the
+    handler through its iterator, where `rpc_errors` cannot look at them.
+    """
+    parsers = parsers or {}
+    unknown = set(parsers) - {method.name for method in service.methods}
+    if unknown:
+        raise ValueError(f"{service.full_name} has no method(s) {sorted(unknown)}")
     handlers = {}
     for method in service.methods:
         request_cls = GetMessageClass(method.input_type)
         response_cls = GetMessageClass(method.output_type)
         make = _HANDLERS[(method.client_streaming, method.server_streaming)]
+        parse = parsers.get(method.name)
+        if parse is None:
+            parse = request_cls.FromString if method.client_streaming else _lenient(request_cls)
         handlers[method.name] = make(
             getattr(servicer, method.name),
-            request_deserializer=_lenient(request_cls),
+            request_deserializer=parse,
             response_serializer=response_cls.SerializeToString,
         )
     server.add_generic_rpc_handlers(

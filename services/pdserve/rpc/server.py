@@ -1,4 +1,13 @@
-"""What every pdserve server process shares: keepalive, signals, the ready line."""
+"""What every pdserve server process shares: one `serve()` skeleton, keepalive, signals,
+the ready line and logging.
+
+A process (the router, a worker) hands `serve` a `ServerApp`: the services it registers
+and three steps of its life (start, drain, close). `serve` owns the rest: the grpc.aio
+server and its options, health (NOT_SERVING until the app has started, SERVING, then
+NOT_SERVING again while draining), reflection, SIGTERM/SIGINT, the graceful stop and
+the `PDSERVE_READY` line. Server interceptors (tracing, auth) go in one place: its
+`interceptors` parameter.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +15,20 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
-from pdserve.cluster.processes import READY_LINE
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from pdserve.rpc.registration import Service, add_servicer
+
+log = logging.getLogger(__name__)
+# What a server prints, with its address, once it serves: process managers and tests
+# (`pdserve.cluster`) wait for this line instead of polling ports.
+READY_LINE = "PDSERVE_READY"
 
 # Keepalive: ping idle connections so a dead peer (a killed worker, a cut link) is
 # noticed in seconds rather than at the TCP timeout; accept clients' pings as often.
@@ -18,6 +39,103 @@ KEEPALIVE_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def message_size_options(limit_bytes: int) -> list[tuple[str, int]]:
+    """gRPC options letting messages of up to `limit_bytes` through, both ways."""
+    return [
+        ("grpc.max_send_message_length", limit_bytes),
+        ("grpc.max_receive_message_length", limit_bytes),
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOptions:
+    """Where and how one process serves."""
+
+    role: str  # the ready line's role: router, prefill, decode or both
+    host: str
+    port: int  # 0: a free port (the ready line says which)
+    grace_s: float  # how long running calls may go on once the stop came
+    grpc_options: Sequence[tuple[str, int]] = ()  # beside KEEPALIVE_OPTIONS: message sizes
+
+
+class ServerApp(Protocol):
+    """What one process plugs into `serve`."""
+
+    @property
+    def services(self) -> Sequence[Service]:
+        """Registered before the server starts."""
+
+    async def start(self, port: int) -> Mapping[str, object]:
+        """Runs once the server listens on `port` (health says NOT_SERVING meanwhile): load
+        the model, connect. Returns the ready line's fields beyond role and address."""
+
+    async def drain(self) -> None:
+        """The stop came: take no new work (running calls go on for the grace period)."""
+
+    async def close(self) -> None:
+        """The server has stopped: release what `start` took."""
+
+
+async def serve(
+    app: ServerApp,
+    options: ServerOptions,
+    stop: asyncio.Event | None = None,
+    *,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> None:
+    """Serve `app` until `stop` is set or SIGTERM/SIGINT arrives, then drain and return."""
+    stop = stop or asyncio.Event()
+    server = grpc.aio.server(
+        options=[*options.grpc_options, *KEEPALIVE_OPTIONS], interceptors=list(interceptors)
+    )
+    for service in app.services:
+        add_servicer(service.servicer, service.descriptor, server, parsers=service.parsers)
+    status = _Health(server, [service.name for service in app.services])
+    await status.set(_NOT_SERVING)
+    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    await server.start()
+    stop_on_signals(stop)
+    try:
+        fields = await app.start(port)
+    except BaseException:
+        await server.stop(grace=None)
+        raise
+    await status.set(_SERVING)
+    announce_ready(role=options.role, address=f"{options.host}:{port}", **fields)
+    await stop.wait()
+
+    log.info("draining: no new requests; finishing the running ones")
+    await app.drain()
+    await status.set(_NOT_SERVING)
+    await server.stop(grace=options.grace_s)
+    await app.close()
+
+
+class _Health:
+    """The standard health service and reflection for `names`, answering for all at once."""
+
+    def __init__(self, server: grpc.aio.Server, names: Sequence[str]):
+        self.servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        self.names = ["", *names]  # "": the whole server
+        reflection.enable_server_reflection(
+            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
+
+    async def set(self, status: int) -> None:
+        for name in self.names:
+            await self.servicer.set(name, status)
+
+
+def run(who: str, main: Coroutine) -> int:
+    """A server process's main: log lines naming `who`, then run the coroutine `main`."""
+    configure_logging(who)
+    asyncio.run(main)
+    return 0
 
 
 def stop_on_signals(stop: asyncio.Event) -> None:

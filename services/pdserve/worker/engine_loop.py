@@ -18,8 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.core.block_hash import num_blocks_for
-from pdserve.core.kv_chunk import KVLayerChunk
+from pdserve.core.errors import UnknownRequestError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
 from pdserve.engine.scheduler import SchedulerOutput
@@ -41,8 +40,6 @@ class KVExport:
     request_id: str
     # (first block index, one layer's chunk), then EXPORT_DONE; or an exception
     chunks: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    # Blocks [0, num_full_blocks_sent) went out, each once and complete.
-    num_full_blocks_sent: int = 0
 
 
 class Sink:
@@ -75,7 +72,9 @@ class EngineLoop:
         self.engine, self.loop = engine, loop
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
-        self._exports: dict[str, KVExport] = {}
+        self._exports: dict[str, KVExport] = {}  # by request id
+        # by request id: blocks [0, n) of the export went out, each once (`export_layer`)
+        self._num_blocks_sent: dict[str, int] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
 
@@ -100,12 +99,21 @@ class EngineLoop:
     def add_export(self, export: KVExport) -> None:
         """Call on the engine thread (inside `call`) before the request's first step."""
         self._exports[export.request_id] = export
+        self._num_blocks_sent[export.request_id] = 0
 
     def drop_export(self, request_id: str, reason: BaseException) -> None:
         """Call on the engine thread: end an export early (the request was aborted)."""
         export = self._exports.pop(request_id, None)
+        self._num_blocks_sent.pop(request_id, None)
         if export is not None:
             export.chunks.put(reason)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request if the engine still knows it (it may have finished meanwhile)."""
+        try:
+            await self.call(self.engine.abort, request_id)
+        except UnknownRequestError:
+            pass
 
     async def stop(self) -> None:
         self._stopping = True
@@ -145,30 +153,17 @@ class EngineLoop:
                 return
 
     def _export_layer(self, layer: int, plan: SchedulerOutput) -> None:
-        """Ship this step's newly complete blocks of `layer` for each exporting request.
-
-        Each block goes out once: a block a prefill chunk leaves partly filled waits for
-        the step that completes it (or for the prompt's end). Sending it twice could let
-        the older, partial copy arrive last on another stream and overwrite the full one.
-        """
-        block_size = self.engine.config.block_size
+        """Queue what `layer` of this step exports for each exporting request."""
         last_layer = layer == self.engine.model_config.num_layers - 1
-        for s in plan.scheduled:
-            export = self._exports.get(s.request.request_id)
-            if export is None:
-                continue
-            first = export.num_full_blocks_sent  # cached prefix blocks ship on the first step
-            last = num_blocks_for(s.end, block_size) if s.produces_token else s.end // block_size
-            if last > first:
-                chunk: KVLayerChunk = self.engine.kv_cache.export_layer(
-                    layer, s.request.block_ids[first:last]
-                )
-                export.chunks.put((first, chunk))
+        for part in self.engine.export_layer(layer, plan, self._num_blocks_sent):
+            export = self._exports[part.request_id]
+            if part.chunk is not None:
+                export.chunks.put((part.first_block, part.chunk))
             if last_layer:
-                export.num_full_blocks_sent = max(first, last)
-                if s.produces_token:  # the prompt is complete
+                self._num_blocks_sent[part.request_id] = part.num_blocks_sent
+                if part.prompt_done:
                     export.chunks.put(EXPORT_DONE)
-                    del self._exports[s.request.request_id]
+                    del self._exports[part.request_id], self._num_blocks_sent[part.request_id]
 
     def _deliver(self, deltas: list[RequestOutput]) -> None:
         # One wake-up of the event loop per step, not one per request: with a full batch
@@ -187,7 +182,7 @@ class EngineLoop:
         for request_id in list(self._sinks):
             try:
                 self.engine.abort(request_id)
-            except KeyError:
+            except UnknownRequestError:  # a sink whose request is not (or no longer) running
                 pass
             self.drop_export(request_id, error)
             sink = self._sinks.pop(request_id)

@@ -15,16 +15,16 @@ from pdserve.api.v1 import (
     decode_pb2_grpc,
     kv_transfer_pb2,
     kv_transfer_pb2_grpc,
-    prefill_pb2,
     prefill_pb2_grpc,
 )
 from pdserve.core.errors import InvalidRequestError, PreconditionError
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.outputs import RequestOutput
-from pdserve.kv.transfer import KVPusher, channel_options
+from pdserve.kv.transfer import KVPusher, KVPushError, channel_options
 from pdserve.rpc.errors import rpc_errors
-from pdserve.rpc.wire import FINISH_REASONS, logprobs_to_proto, sampling_params_from_proto
-from pdserve.worker.engine_loop import EXPORT_DONE, KVExport, Sink
+from pdserve.rpc.wire import sampling_params_from_proto
+from pdserve.rpc.wire.worker import prefill_response_to_proto, worker_load_to_proto
+from pdserve.worker.engine_loop import EXPORT_DONE, EngineFailedError, KVExport, Sink
 from pdserve.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         )
         self.transfers.add(task)
         task.add_done_callback(self.transfers.discard)
-        return prefill_response(first, reason)
+        return prefill_response_to_proto(first, reason)
 
     def _start(self, prompt, params, request_id, export) -> None:
         """On the engine thread: queue the prompt and its layer-by-layer export together."""
@@ -210,11 +210,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             keeper.cancel()
 
     async def _release(self, peer: _DecodePeer, lease_id: str, push) -> None:
+        """Give the decode lease back, once the push into it (if any) has ended."""
         if push is not None:
-            try:
-                await push
-            except Exception:
-                pass
+            await _push_ended(push)
         try:
             await peer.decode.Release(decode_pb2.ReleaseRequest(lease_id=lease_id), timeout=5)
         except grpc.aio.AioRpcError as exc:
@@ -227,8 +225,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     @rpc_errors
     async def GetLoad(self, request, context):
-        self.worker.check_ready()
-        return self.worker.load()
+        return worker_load_to_proto(self.worker.info(num_block_hashes=0))
 
     async def close(self) -> None:
         if self.transfers:
@@ -246,15 +243,12 @@ def first_token_finish(first: RequestOutput, params: SamplingParams) -> str | No
     return "length" if params.max_tokens == 1 else None
 
 
-def prefill_response(first: RequestOutput, reason: str | None) -> prefill_pb2.PrefillResponse:
-    response = prefill_pb2.PrefillResponse(
-        first_token_id=first.token_ids[0],
-        text=first.text,
-        finish_reason=FINISH_REASONS[reason],
-    )
-    if first.logprobs:
-        response.logprobs.CopyFrom(logprobs_to_proto(first.logprobs[0]))
-    response.usage.prompt_tokens = len(first.prompt_token_ids)
-    response.usage.completion_tokens = 1
-    response.usage.cached_prompt_tokens = first.num_cached_tokens
-    return response
+async def _push_ended(push: asyncio.Task) -> None:
+    """Wait for a push whose lease goes back anyway, and say how it ended."""
+    try:
+        await push
+    except (PrefillAbandonedError, EngineFailedError, TimeoutError, KVPushError) as exc:
+        # The prefill was abandoned or failed, or the decode worker ended the lease.
+        log.debug("KV push ended early: %r", exc)
+    except Exception:
+        log.warning("KV push failed unexpectedly", exc_info=True)

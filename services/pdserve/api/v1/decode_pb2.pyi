@@ -85,20 +85,22 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "free_blocks", "total_blocks", "running", "waiting", "open_leases")
+    __slots__ = ("role", "free_blocks", "total_blocks", "running", "waiting", "open_leases", "block_size")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     OPEN_LEASES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     role: str
     free_blocks: int
     total_blocks: int
     running: int
     waiting: int
     open_leases: int
-    def __init__(self, role: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., open_leases: _Optional[int] = ...) -> None: ...
+    block_size: int
+    def __init__(self, role: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., open_leases: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class RelayCommand(_message.Message):
     __slots__ = ("attach", "detach")

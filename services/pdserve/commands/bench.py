@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import platform
 import random
 import shlex
 import statistics
@@ -24,16 +23,19 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pdserve.bench.loadgen import run_plan
+from pdserve.bench.machine import cpu_seconds, facts
 from pdserve.bench.metrics import MS, SLO, summarize
+from pdserve.bench.plots import plot_cdfs, plot_latency_vs_rate, plot_timeline, require_matplotlib
 from pdserve.bench.report import (
     BenchResult,
     ConfigRun,
     RateRun,
+    Sweep,
     markdown,
     solo_text,
     write_json,
 )
-from pdserve.bench.workload import WORKLOADS, Workload, custom_workload, plan, sample_request
+from pdserve.bench.workload import WORKLOADS, custom_workload, plan, sample_request
 from pdserve.client import AsyncClient, PdserveError
 from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.commands import EXIT_INTERRUPTED, add_router_argument, fail, router_address
@@ -48,17 +50,10 @@ SETTLE_S = 1.0  # pause between runs: cancelled requests of the last one are fre
 SOLO_WARMUPS, SOLO_TIMED = 2, 2
 
 
-@dataclass(frozen=True, slots=True)
-class BenchConfig:
+@dataclass(slots=True)
+class BenchConfig(Sweep):
     """What one `pdserve bench` measures, validated once from the flags."""
 
-    workload: Workload
-    rates: list[float]
-    duration_s: float
-    drain_s: float
-    num_warmup: int
-    seed: int
-    slo: SLO
     shapes: list[ClusterShape]  # empty: measure the router given
     timeline_rate: float
 
@@ -102,16 +97,6 @@ class Target:
     pids: tuple[int, ...] = ()  # a local cluster's processes, for its CPU time
 
 
-def _cpu_seconds(pids: tuple[int, ...]) -> float:
-    """User + system CPU time of these processes so far (Linux /proc), in seconds."""
-    total = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
     cmd = subcommands.add_parser(
         "bench", help="open-loop serving benchmark: TTFT, TPOT, throughput and goodput"
@@ -133,6 +118,13 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         default=[],
         help="with --compare: extra argument for every worker (repeatable)",
     )
+    _add_load_arguments(cmd)
+    cmd.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
+    cmd.set_defaults(run=run)
+
+
+def _add_load_arguments(cmd: argparse.ArgumentParser) -> None:
+    """What load is sent, for how long, and what counts as meeting the SLO."""
     cmd.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
     cmd.add_argument(
         "--prompt-len",
@@ -166,15 +158,14 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         default=None,
         help="the rate whose run the timeline plot shows (default: mid-sweep)",
     )
-    cmd.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
-    cmd.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     try:
         config = BenchConfig.from_args(args)
-    except ValueError as exc:
+        require_matplotlib()  # now, rather than after the whole run
+    except (ValueError, RuntimeError) as exc:
         return fail("bench", exc)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -183,13 +174,7 @@ def run(args: argparse.Namespace) -> int:
         from pdserve.commands.up import ensure_demo_model
 
         model = str(ensure_demo_model(console))
-    machine = {
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "threads": args.threads,
-        "started_at": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "load_avg_before": os.getloadavg(),
-    }
+    machine = facts(args.threads)
     try:
         with contextlib.ExitStack() as stack:
             targets = _start_targets(args, model, config.shapes, out, stack, console)
@@ -200,15 +185,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     machine["load_avg_after"] = os.getloadavg()
     result = BenchResult(
+        **config.sweep_fields(),
         command=_command_line(args, model),
         model=model,
-        workload=config.workload,
-        rates=config.rates,
-        duration_s=config.duration_s,
-        drain_s=config.drain_s,
-        num_warmup=config.num_warmup,
-        seed=config.seed,
-        slo=config.slo,
         machine=machine,
         configs=configs,
     )
@@ -220,9 +199,6 @@ def run(args: argparse.Namespace) -> int:
 
 def write_outputs(result: BenchResult, out: Path, timeline_rate: float) -> list[Path]:
     """WORKLOAD.json, WORKLOAD.md and the figures; their paths, in that order."""
-    # matplotlib takes ~0.4 s to import: only a finished run pays it, not every `pdserve`
-    from pdserve.bench.plots import plot_cdfs, plot_latency_vs_rate, plot_timeline
-
     name = result.workload.name
     figures = [
         plot_cdfs(result, out / f"{name}-cdf.png"),
@@ -289,14 +265,14 @@ async def _measure(
             pairs = list(zip(targets, configs, strict=True))
             for target, c in pairs if i % 2 == 0 else pairs[::-1]:
                 task = progress.add_task(f"{c.name} @ {rate:g} req/s", total=len(planned))
-                cpu, start = _cpu_seconds(target.pids), time.perf_counter()
+                cpu, start = cpu_seconds(target.pids), time.perf_counter()
                 results = await run_plan(
                     c.address,
                     planned,
                     config.drain_s,
                     on_done=lambda r, t=task: progress.advance(t),
                 )
-                cores = (_cpu_seconds(target.pids) - cpu) / (time.perf_counter() - start)
+                cores = (cpu_seconds(target.pids) - cpu) / (time.perf_counter() - start)
                 summary = summarize(rate, results, config.slo)
                 c.runs.append(RateRun(rate, summary, results, cores if target.pids else None))
                 await asyncio.sleep(SETTLE_S)

@@ -1,10 +1,12 @@
-"""Conversions between engine objects and pdserve.v1 messages. One place, both ways."""
+"""Conversions between pdserve's domain objects and pdserve.v1 messages, both ways.
+
+This package is the one home of every conversion: what every side shares is here; what
+only one side needs is in `client`, `router` or `worker` beside it."""
 
 from __future__ import annotations
 
 from pdserve.api.v1 import common_pb2, decode_pb2
 from pdserve.core.sampling_params import SamplingParams, TokenLogprobs
-from pdserve.engine.outputs import RequestOutput
 
 FINISH_REASONS = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -12,6 +14,8 @@ FINISH_REASONS = {
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
+
+
 FINISH_REASON_NAMES = {value: name for name, value in FINISH_REASONS.items()}
 
 
@@ -74,40 +78,10 @@ def logprobs_from_proto(msg: common_pb2.PositionLogprobs) -> TokenLogprobs:
     )
 
 
-def deltas_to_proto(deltas: list[RequestOutput], num_output_tokens: int) -> decode_pb2.TokenDelta:
-    """Consecutive step outputs of one request as one TokenDelta; usage rides on the final one.
-
-    `num_output_tokens` counts every output token up to the last of `deltas`. Several
-    outputs get `text_ends` (see decode.proto), so dropping leading tokens keeps the
-    text of the rest exact; one output needs none, its text being its tokens'.
-    """
-    last = deltas[-1]
-    if len(deltas) == 1:
-        token_ids, text, logprobs, text_ends = last.token_ids, last.text, last.logprobs, ()
-    else:
-        token_ids, text_ends, logprobs, pieces, length = [], [], [], [], 0
-        for delta in deltas:
-            pieces.append(delta.text)
-            length += len(delta.text)
-            if delta.token_ids:
-                # the output's text completes its last token (earlier ones end before it)
-                text_ends.extend([length - len(delta.text)] * (len(delta.token_ids) - 1))
-                text_ends.append(length)
-                token_ids.extend(delta.token_ids)
-            logprobs.extend(delta.logprobs or ())
-        text = "".join(pieces)
-    msg = decode_pb2.TokenDelta(
-        token_ids=token_ids,
-        text=text,
-        logprobs=[logprobs_to_proto(lp) for lp in logprobs or ()],
-        finish_reason=FINISH_REASONS[last.finish_reason if last.finished else None],
-        text_ends=text_ends,
-    )
-    if last.finished:
-        msg.usage.prompt_tokens = len(last.prompt_token_ids)
-        msg.usage.completion_tokens = num_output_tokens
-        msg.usage.cached_prompt_tokens = last.num_cached_tokens
-    return msg
+def is_final(delta) -> bool:
+    """Whether a TokenDelta (or a PrefillResponse, or a GenerateResponse) ends its request:
+    the last one alone has a finish reason."""
+    return delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
 
 
 def drop_first_tokens(delta: decode_pb2.TokenDelta, count: int) -> None:

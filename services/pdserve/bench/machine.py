@@ -1,0 +1,178 @@
+"""What benchmarks read off the machine: CPU model, CPU time, others' load, core pinning.
+
+From Linux's /proc; where it is missing, callers say "unknown" rather than guess. On a
+2-core machine one busy neighbour halves what both sides of a comparison get, so every
+benchmark says how much CPU other processes took while it measured. `pdserve bench` and
+the component benchmarks in bench/ both read the machine through this module.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+CPU_QUOTA_PERIOD_US = 100_000
+MIN_CPU_QUOTA_US = 1000  # the kernel refuses a smaller quota
+
+
+def cpu_model(default: str = "unknown CPU") -> str:
+    """The first "model name" of /proc/cpuinfo."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        return default
+    names = [
+        ln.split(":", 1)[1].strip()
+        for ln in cpuinfo.read_text().splitlines()
+        if ln.startswith("model name")
+    ]
+    return names[0] if names else default
+
+
+def describe(*software: str) -> str:
+    """One line for a report: cores, CPU model, Python, then `software` (versions, settings)."""
+    cpu = cpu_model(platform.processor() or "unknown CPU")
+    return "; ".join(
+        [f"{os.cpu_count()} cores, {cpu}", f"Python {sys.version.split()[0]}", *software]
+    )
+
+
+def facts(threads: int) -> dict[str, object]:
+    """What `pdserve bench` records of the machine it ran on (its JSON's "machine")."""
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": cpu_model(),
+        "platform": platform.platform(),
+        "threads": threads,
+        "started_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "load_avg_before": os.getloadavg(),
+    }
+
+
+def load_average() -> str:
+    """/proc/loadavg as it reads: 1, 5 and 15-minute averages, runnable/all, last pid."""
+    path = Path("/proc/loadavg")
+    return path.read_text().strip() if path.is_file() else "unknown"
+
+
+def machine_busy_seconds() -> float | None:
+    """CPU-seconds the whole machine was busy since boot; None without /proc/stat."""
+    stat = Path("/proc/stat")
+    if not stat.is_file():
+        return None
+    # cpu  user nice system idle iowait irq softirq steal ...  (in clock ticks)
+    fields = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / CLOCK_TICKS
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """utime + stime of every thread of the process; None without its /proc entry."""
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        text = stat.read_text()
+    except FileNotFoundError:
+        return None
+    # pid (comm) state ... utime stime are fields 14 and 15; comm may hold spaces
+    after_comm = text.rsplit(")", 1)[1].split()
+    return (int(after_comm[11]) + int(after_comm[12])) / CLOCK_TICKS
+
+
+def cpu_seconds(pids: tuple[int, ...] | list[int]) -> float:
+    """CPU-seconds these processes used so far; ProcessLookupError if one has no /proc entry."""
+    total = 0.0
+    for pid in pids:
+        seconds = process_cpu_seconds(pid)
+        if seconds is None:
+            raise ProcessLookupError(f"no /proc entry for process {pid}: did it exit?")
+        total += seconds
+    return total
+
+
+def others_line(others_s: float | None, wall_s: float, noisy_share: float) -> str:
+    """The report line: what other processes took, and whether that makes figures noise."""
+    if others_s is None:
+        return "CPU use of other processes: unknown (no /proc/stat)"
+    share = others_s / (wall_s * (os.cpu_count() or 1))
+    verdict = "; figures are unreliable" if share > noisy_share else ""
+    return (
+        f"other processes used {others_s:.1f} CPU-s in {wall_s:.0f} s "
+        f"({share:.0%} of the machine){verdict}"
+    )
+
+
+class CpuWindow:
+    """CPU-seconds of named processes, and of everything else, between enter and exit.
+
+    After the window, `cpu_s` maps each name to its processes' CPU-seconds and "others"
+    to what the rest of the machine took (None without /proc/stat); `wall_s` is its length.
+    """
+
+    def __init__(self, pids: dict[str, int]):
+        self.pids = pids
+        self.cpu_s: dict[str, float] = {}
+        self.others_s: float | None = None
+        self.wall_s = 0.0
+
+    def __enter__(self) -> CpuWindow:
+        self._begin = self._sample()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        (busy0, own0, wall0), (busy1, own1, wall1) = self._begin, self._sample()
+        self.wall_s = wall1 - wall0
+        self.cpu_s = {name: own1[name] - own0[name] for name in self.pids}
+        if busy0 is not None and busy1 is not None:
+            self.others_s = max(0.0, busy1 - busy0 - sum(self.cpu_s.values()))
+
+    def _sample(self) -> tuple[float | None, dict[str, float], float]:
+        own = {name: process_cpu_seconds(pid) or 0.0 for name, pid in self.pids.items()}
+        return machine_busy_seconds(), own, time.perf_counter()
+
+    def others_line(self, noisy_share: float) -> str:
+        return others_line(self.others_s, self.wall_s, noisy_share)
+
+
+def pin(pid: int, core: int) -> None:
+    """Pin every thread of the process to `core` (threads it starts later inherit the
+    mask); nothing on a one-core machine."""
+    if (os.cpu_count() or 1) < 2:
+        return
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), {core})
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
+@contextmanager
+def cpu_quota(pid: int, share: float) -> Iterator[None]:
+    """Cap the process at `share` of one core (a cgroup CPU quota), so that it is the
+    bottleneck: its figures are then those of a saturated process.
+
+    Needs a writable cgroup CPU controller (v1 `cpu` or v2); raises if there is none.
+    """
+    quota_us = max(MIN_CPU_QUOTA_US, round(share * CPU_QUOTA_PERIOD_US))
+    v1 = Path("/sys/fs/cgroup/cpu")
+    group = (v1 if v1.is_dir() else Path("/sys/fs/cgroup")) / f"pdserve-bench-{pid}"
+    group.mkdir()
+    try:
+        if v1.is_dir():
+            (group / "cpu.cfs_period_us").write_text(str(CPU_QUOTA_PERIOD_US))
+            (group / "cpu.cfs_quota_us").write_text(str(quota_us))
+        else:
+            (group / "cpu.max").write_text(f"{quota_us} {CPU_QUOTA_PERIOD_US}")
+        (group / "cgroup.procs").write_text(str(pid))  # every thread of the process
+        yield
+    finally:
+        parent = group.parent / "cgroup.procs"
+        for member in (group / "cgroup.procs").read_text().split():
+            try:
+                parent.write_text(member)
+            except OSError:  # it exited meanwhile
+                pass
+        group.rmdir()

@@ -1,0 +1,128 @@
+"""The router process's configuration: one dataclass, the one home of its defaults.
+
+`pdserve router` makes a flag of every field (`core/flags.py`), each also read
+from its `PDSERVE_*` variable. Durations are seconds (floats), as everywhere in pdserve.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass, field
+
+from pdserve.router.handoff import DEFAULT_LEASE_TTL_S
+from pdserve.router.policy import DEFAULT_PREFILL_POLICY, PREFILL_POLICIES, ColocationRule
+
+
+class DiscoveryKind(enum.StrEnum):
+    """Where the router learns its workers from."""
+
+    REDIS = "redis"  # the registry workers publish their heartbeats to
+    STATIC = "static"  # fixed address lists (--prefill, --decode, --both)
+    KUBERNETES = "kubernetes"  # the EndpointSlices of the workers' Services
+
+
+def _addresses(help_text: str):
+    return field(default_factory=list, metadata={"help": help_text, "metavar": "ADDR,..."})
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    """Everything one router process needs, validated once."""
+
+    model: str = field(
+        metadata={"help": "model directory (tokenizer and config; weights optional)"}
+    )
+    redis_url: str = field(
+        metadata={"help": "Redis: request state and the worker registry", "env": ("REDIS_URL",)}
+    )
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=0, metadata={"help": "port to listen on (0: a free one, printed)"})
+    discovery: DiscoveryKind = field(
+        default=DiscoveryKind.REDIS, metadata={"help": "where the router finds its workers"}
+    )
+    prefill: list[str] = _addresses("static discovery: prefill worker addresses")
+    decode: list[str] = _addresses("static discovery: decode worker addresses")
+    both: list[str] = _addresses("static discovery: colocated worker addresses")
+    k8s_namespace: str = field(
+        default="default", metadata={"help": "kubernetes discovery: the workers' namespace"}
+    )
+    k8s_prefill_service: str = field(
+        default="pdserve-prefill", metadata={"help": "kubernetes discovery: the prefill Service"}
+    )
+    k8s_decode_service: str = field(
+        default="pdserve-decode", metadata={"help": "kubernetes discovery: the decode Service"}
+    )
+    prefill_policy: str = field(
+        default=DEFAULT_PREFILL_POLICY,
+        metadata={"help": "how a prefill worker is chosen", "choices": sorted(PREFILL_POLICIES)},
+    )
+    colocate_below: int = field(
+        default=0,
+        metadata={
+            "help": "prefill prompts shorter than this on the decode worker (0: off)",
+            "metavar": "TOKENS",
+        },
+    )
+    max_inflight: int = field(
+        default=256, metadata={"help": "requests this router runs at once; more are refused"}
+    )
+    lease_ttl_s: float = field(
+        default=DEFAULT_LEASE_TTL_S,
+        metadata={
+            "help": "seconds a decode worker holds a request's blocks for its prefill's KV",
+            "flag": "lease-ttl",
+        },
+    )
+    max_attempts: int = field(
+        default=3, metadata={"help": "tries per request (the first included) across workers"}
+    )
+    stream_interval: int = field(
+        default=1,
+        metadata={
+            "help": "decode workers send tokens once this many wait (the first and last at "
+            "once); more: less router CPU per token, burstier streams",
+            "metavar": "TOKENS",
+        },
+    )
+    grace_s: float = field(
+        default=30.0,
+        metadata={"help": "seconds running requests get to finish on SIGTERM", "flag": "grace"},
+    )
+    router_id: str = field(
+        default_factory=lambda: "router-" + uuid.uuid4().hex[:8],
+        metadata={
+            "help": "this router's name in logs and request records",
+            "default_help": "router-<random>",
+        },
+    )
+
+    def __post_init__(self) -> None:
+        self.discovery = DiscoveryKind(self.discovery)
+        if self.discovery is DiscoveryKind.STATIC and not (
+            (self.prefill and self.decode) or self.both
+        ):
+            raise ValueError("static discovery needs --prefill and --decode (or --both) addresses")
+        if self.prefill_policy not in PREFILL_POLICIES:
+            choices = ", ".join(sorted(PREFILL_POLICIES))
+            raise ValueError(
+                f"prefill_policy must be one of {choices}, got {self.prefill_policy!r}"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("max_inflight", "max_attempts", "stream_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.colocate_below < 0:
+            raise ValueError(f"colocate_below must be >= 0, got {self.colocate_below}")
+        if self.lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+
+    @property
+    def colocation(self) -> ColocationRule:
+        """When to prefill on the decode worker: prompts under `colocate_below` tokens."""
+        return ColocationRule(
+            enabled=self.colocate_below > 0, max_prompt_tokens=max(self.colocate_below, 1)
+        )

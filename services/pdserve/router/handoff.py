@@ -1,0 +1,214 @@
+"""The router's hand-off client: admit on a decode worker, prefill into its lease, stream.
+
+One client for every caller. The runner drives it for each request (choosing workers,
+moving on when one refuses); tests and benchmarks drive it on workers they name, so
+what they exercise is the code the router runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+import grpc
+
+from pdserve.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pdserve.core.block_hash import num_blocks_for, prompt_block_hashes
+from pdserve.router.relay import DecodeRelays, RelayStream
+from pdserve.rpc.wire import is_final
+from pdserve.rpc.wire.router import prefill_response_to_delta
+
+log = logging.getLogger(__name__)
+RELEASE_TIMEOUT_S = 5.0
+DEFAULT_LEASE_TTL_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One try at running a request on the workers: everything each call needs, passed whole."""
+
+    request_id: str
+    prompt: list[int]
+    sampling: common_pb2.SamplingParams
+    deadline: float | None = None  # time.monotonic() by which the client wants its answer
+    # the pool's KV block size, and the prompt's chained block hashes at it (what
+    # cache-aware routing compares); 0 and () until `for_block_size`
+    block_size: int = 0
+    block_hashes: list[str] = field(default_factory=list)
+
+    def for_block_size(self, block_size: int) -> Attempt:
+        """This attempt on a pool whose workers use `block_size`."""
+        if block_size == self.block_size:
+            return self
+        hashes = prompt_block_hashes(self.prompt, block_size)
+        return replace(self, block_size=block_size, block_hashes=hashes)
+
+    @property
+    def num_blocks_needed(self) -> int:
+        """KV blocks the request holds on its decode worker at its longest."""
+        return num_blocks_for(len(self.prompt) + self.sampling.max_tokens, self.block_size)
+
+    def time_left(self) -> float | None:
+        """Seconds to the deadline (a call's timeout), None without one."""
+        if self.deadline is None:
+            return None
+        return max(self.deadline - time.monotonic(), 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A lease on a decode worker: where the prefill worker pushes the prompt's KV."""
+
+    decode_address: str
+    lease: decode_pb2.Lease
+
+
+class ChannelPool:
+    """One grpc.aio channel per worker address, reused by every request."""
+
+    def __init__(self, options=None):
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._options = options or []
+
+    def get(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=self._options)
+            self._channels[address] = channel
+        return channel
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+
+class HandOff:
+    """Admit, prefill and stream on named workers; each call raises the worker's
+    `grpc.aio.AioRpcError` as it came (callers decide what is worth another worker).
+
+    Decode tokens arrive over the router's one Relay call per decode worker.
+    """
+
+    def __init__(
+        self,
+        channels: ChannelPool,
+        *,
+        lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+        stream_interval: int = 1,
+    ):
+        self.channels = channels
+        self.lease_ttl_ms = round(lease_ttl_s * 1000)
+        self.stream_interval = stream_interval  # tokens per decode message (decode.proto)
+        self.relays = DecodeRelays(channels.get)
+        self._releases: set[asyncio.Future] = set()  # abandoned leases being given back
+
+    async def admit(self, decode_address: str, attempt: Attempt) -> Admission:
+        """Reserve the attempt's KV blocks on a decode worker (RESOURCE_EXHAUSTED: no room)."""
+        stub = decode_pb2_grpc.DecodeStub(self.channels.get(decode_address))
+        request = decode_pb2.AdmitRequest(
+            request_id=attempt.request_id,
+            prompt_token_ids=attempt.prompt,
+            sampling=attempt.sampling,
+            lease_ttl_ms=self.lease_ttl_ms,
+        )
+        admitting = asyncio.ensure_future(stub.Admit(request, timeout=attempt.time_left()))
+        try:
+            lease = await asyncio.shield(admitting)
+        except asyncio.CancelledError:
+            # We stop here, but the worker may admit all the same: give that lease back
+            # at once rather than leave its blocks reserved until it expires.
+            admitting.add_done_callback(lambda done: self._give_back(stub, done))
+            raise
+        return Admission(decode_address, lease)
+
+    def attach(self, admission: Admission, attempt: Attempt) -> RelayStream:
+        """The lease's decode tokens (after the first), from before prefill starts, so
+        that no token waits on us. Cancelling the stream frees the lease."""
+        attach = decode_pb2.RelayAttach(
+            lease_id=admission.lease.lease_id, stream_interval=self.stream_interval
+        )
+        return self.relays.open(admission.decode_address, attach, attempt.time_left())
+
+    async def prefill(
+        self, prefill_address: str, admission: Admission, attempt: Attempt
+    ) -> prefill_pb2.PrefillResponse:
+        """Compute the prompt on a prefill worker, which pushes its KV into the lease;
+        returns with the first token, while the push goes on."""
+        stub = prefill_pb2_grpc.PrefillStub(self.channels.get(prefill_address))
+        target = prefill_pb2.KVTarget(
+            address=admission.decode_address, lease_id=admission.lease.lease_id
+        )
+        request = prefill_pb2.PrefillRequest(
+            request_id=attempt.request_id,
+            prompt_token_ids=attempt.prompt,
+            sampling=attempt.sampling,
+            target=target,
+        )
+        return await stub.Prefill(request, timeout=attempt.time_left())
+
+    def colocated(self, address: str, attempt: Attempt) -> RelayStream:
+        """Prefill and decode on one worker, no KV transfer: every token on the stream."""
+        generate = decode_pb2.LocalGenerateRequest(
+            request_id=attempt.request_id,
+            prompt_token_ids=attempt.prompt,
+            sampling=attempt.sampling,
+        )
+        attach = decode_pb2.RelayAttach(stream_interval=self.stream_interval, generate=generate)
+        return self.relays.open(address, attach, attempt.time_left())
+
+    async def generate(
+        self, prefill_address: str, decode_address: str, attempt: Attempt
+    ) -> AsyncIterator[decode_pb2.TokenDelta]:
+        """One disaggregated request on the workers named: the first token (from prefill)
+        as soon as it exists, then the decode worker's deltas; the final one carries the
+        usage, `cached_prompt_tokens` as the prefill worker found them. No retries."""
+        admission = await self.admit(decode_address, attempt)
+        stream = self.attach(admission, attempt)
+        deltas: asyncio.Queue = asyncio.Queue()
+        delivering = None
+        try:
+            response = await self.prefill(prefill_address, admission, attempt)
+            yield prefill_response_to_delta(response)
+            if is_final(response):
+                return
+            delivering = asyncio.ensure_future(stream.deliver(deltas.put_nowait))
+            delivering.add_done_callback(lambda _: deltas.put_nowait(None))
+            while (delta := await deltas.get()) is not None:
+                if is_final(delta):
+                    delta.usage.cached_prompt_tokens = response.usage.cached_prompt_tokens
+                yield delta
+            await delivering  # the stream's error, if it ended in one
+        finally:
+            stream.cancel()  # no-op once it ended; else frees the lease on the decode side
+            if delivering is not None:
+                delivering.cancel()
+
+    async def close(self) -> None:
+        """End every Relay call (aborting what still streams on them)."""
+        await self.relays.close()
+
+    async def __aenter__(self) -> HandOff:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    def _give_back(self, stub: decode_pb2_grpc.DecodeStub, admitting: asyncio.Future) -> None:
+        if admitting.cancelled() or admitting.exception() is not None:
+            return
+        release = stub.Release(
+            decode_pb2.ReleaseRequest(lease_id=admitting.result().lease_id),
+            timeout=RELEASE_TIMEOUT_S,
+        )
+        task = asyncio.ensure_future(release)
+        self._releases.add(task)
+        task.add_done_callback(self._released)
+
+    def _released(self, task: asyncio.Future) -> None:
+        self._releases.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # it expires in the end
+            log.info("giving back an abandoned lease failed: %s", task.exception())

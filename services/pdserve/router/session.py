@@ -1,0 +1,343 @@
+"""One request's life in this router: its record, its deltas, its progress, its end.
+
+A `RequestSession` creates the request's record in Redis, runs it (attempts on the
+workers, retried), receives what the runner reports, and turns the deltas into the
+client's messages. It is the only writer of the record while it runs.
+
+Generation is deterministic for a given request (greedy, or seeded per output
+position; unseeded requests get a seed here), so a retry after a worker failed
+regenerates the same tokens: the session skips the ones already delivered and the
+client sees one uninterrupted stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
+
+from pdserve.api.v1 import common_pb2, decode_pb2, router_pb2
+from pdserve.core.phase import RequestPhase
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.router.handoff import Attempt
+from pdserve.router.runner import RequestRunner
+from pdserve.rpc.wire import FINISH_REASON_NAMES, drop_first_tokens, is_final
+from pdserve.rpc.wire.router import append_response, generate_response, timings_to_proto
+from pdserve.state.record import RequestRecord
+from pdserve.state.requests import RequestStore
+
+log = logging.getLogger(__name__)
+
+# A failed attempt with these codes is retried from the start on other workers.
+RETRYABLE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,  # worker down or draining
+        grpc.StatusCode.ABORTED,  # KV push broke off (prefill worker died)
+        grpc.StatusCode.FAILED_PRECONDITION,  # lease expired or refused mid-hand-off
+        grpc.StatusCode.CANCELLED,  # a worker shut down under us
+        grpc.StatusCode.INTERNAL,  # a worker's engine step failed
+    }
+)
+# Retries wait a random time, growing from 0.05 s up to 0.5 s: spread out, so the retries
+# of the requests one dead worker held do not all arrive at once.
+RETRY_BACKOFF_BASE_S = 0.05
+RETRY_BACKOFF_MAX_S = 0.5
+
+
+def _retryable(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in RETRYABLE_CODES
+
+
+def _log_retry(state) -> None:
+    exc = state.outcome.exception()
+    log.info("attempt %d failed (%s), retrying", state.attempt_number, exc.code().name)
+
+
+def retry_safe(sampling: common_pb2.SamplingParams, params: SamplingParams):
+    """`sampling` with a seed when it samples without one: a retry on another worker then
+    regenerates the same tokens."""
+    if params.temperature == 0 or params.seed is not None:
+        return sampling
+    seeded = common_pb2.SamplingParams()
+    seeded.CopyFrom(sampling)
+    seeded.seed = random.getrandbits(63)
+    return seeded
+
+
+@dataclass(slots=True)
+class Progress:
+    """Where the request stands. Times are time.monotonic() seconds; 0.0: not yet."""
+
+    phase: RequestPhase = RequestPhase.QUEUED
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    num_attempts: int = 0
+    cached_prompt_tokens: int = 0  # as the prefill worker found them in its cache
+    received_at: float = 0.0  # the router took the call
+    admitted_at: float = 0.0  # a decode worker reserved its blocks
+    first_token_at: float = 0.0
+    first_decode_at: float = 0.0  # the decode stream's first delta
+
+
+class DeliveredTokens:
+    """The tokens a caller has, so that a retry's regenerated stream adds only new ones."""
+
+    __slots__ = ("num_tokens", "_num_seen")
+
+    def __init__(self) -> None:
+        self.num_tokens = 0  # delivered, in all attempts
+        self._num_seen = 0  # tokens of the current attempt so far
+
+    def new_attempt(self) -> None:
+        self._num_seen = 0
+
+    def keep_new(self, delta: decode_pb2.TokenDelta) -> bool:
+        """Strip the tokens (and their text) the caller has; False: nothing left to send."""
+        num_tokens = len(delta.token_ids)
+        num_old = min(max(self.num_tokens - self._num_seen, 0), num_tokens)
+        self._num_seen += num_tokens
+        if num_old:
+            drop_first_tokens(delta, num_old)
+            if not (delta.token_ids or delta.text) and not is_final(delta):
+                return False
+        self.num_tokens = max(self.num_tokens, self._num_seen)
+        return True
+
+
+class DeltaInbox:
+    """Deltas on their way to the client, and the error that ended the request.
+
+    The relay's reader puts (no task switch per delta); the handler takes everything
+    that waits at once. A client that keeps up gets each delta as it comes; one that
+    falls behind (it pays per message) gets all that waited in one message.
+    """
+
+    __slots__ = ("_deltas", "_error", "_waiter")
+
+    def __init__(self) -> None:
+        self._deltas: list[decode_pb2.TokenDelta] = []
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, delta: decode_pb2.TokenDelta) -> None:
+        self._deltas.append(delta)
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        """The request ended in `error`: `take` returns it after the deltas before it."""
+        self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take(self) -> tuple[list[decode_pb2.TokenDelta], BaseException | None]:
+        """Wait for a delta or the error; then every delta waiting, up to a final one,
+        and the error behind them (to raise once they went out), if any.
+
+        Nothing follows a final delta: what does (a cancel racing the end) is dropped.
+        """
+        while not self._deltas and self._error is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        deltas, self._deltas = self._deltas, []
+        for i, delta in enumerate(deltas):
+            if is_final(delta):
+                return deltas[: i + 1], None
+        error, self._error = self._error, None
+        return deltas, error
+
+
+class RequestSession:
+    """One request this router runs: from its record's creation to its end.
+
+    Implements `router.runner.AttemptEvents`: the runner reports to the session.
+    """
+
+    def __init__(
+        self,
+        attempt: Attempt,
+        *,
+        runner: RequestRunner,
+        store: RequestStore,
+        router_id: str,
+        received_at: float,
+    ):
+        self.attempt, self.runner, self.store, self.router_id = attempt, runner, store, router_id
+        self.request_id = attempt.request_id
+        self.progress = Progress(received_at=received_at)
+        self._delivered = DeliveredTokens()
+        self._inbox = DeltaInbox()
+        self._num_sent = 0  # output tokens in the messages built so far
+        self._task: asyncio.Task | None = None  # runs the attempts
+        self._finishing: asyncio.Future | None = None  # the record's last write
+
+    async def open(self, *, start_first: bool) -> bool:
+        """Create the record and start the request; False (nothing runs) if the id is
+        taken: another call runs it.
+
+        With `start_first` the request starts while Redis records it, so the record's
+        round trip overlaps admission instead of adding to TTFT (deltas wait in the
+        inbox). Only for an id of our making, which cannot be taken: a client's may be
+        (a retry racing its original), and then starts once the record is ours.
+        """
+        if start_first:
+            self._start()
+        record = RequestRecord(
+            request_id=self.request_id,
+            status=RequestPhase.QUEUED,
+            prompt_tokens=len(self.attempt.prompt),
+            router_id=self.router_id,
+        )
+        try:
+            created = await self.store.create(record)
+        except BaseException:  # Redis down, or the client left: stop what started
+            self.cancel()
+            raise
+        if not created:
+            self.cancel()
+            return False
+        if self._task is None:
+            self._start()
+        return True
+
+    def cancel(self) -> None:
+        """Stop the request; it ends as aborted (a final ABORT message to the client)."""
+        if self._task is not None:
+            self._task.cancel()
+
+    def _start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        """The attempts, until one reaches the final delta or a failure is not retryable."""
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self.runner.config.max_attempts),
+            wait=wait_random_exponential(multiplier=RETRY_BACKOFF_BASE_S, max=RETRY_BACKOFF_MAX_S),
+            retry=retry_if_exception(_retryable),
+            before_sleep=_log_retry,
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    self.progress.num_attempts += 1
+                    self._delivered.new_attempt()
+                    await self.runner.run(self.attempt, self)
+        except asyncio.CancelledError:  # Cancel, or the client left: it ends as aborted
+            self._inbox.put(decode_pb2.TokenDelta(finish_reason=common_pb2.FINISH_REASON_ABORT))
+            raise
+        except BaseException as exc:
+            self._inbox.fail(exc)
+
+    # -- the client's side --------------------------------------------------------------
+
+    async def responses(self, stream: bool) -> AsyncIterator[router_pb2.GenerateResponse]:
+        """The client's messages to the final one (with usage and timings); without
+        `stream`, one message with everything. Ends once the record's end is written."""
+        collected = router_pb2.GenerateResponse(request_id=self.request_id)
+        try:
+            finished = False
+            while not finished:
+                deltas, error = await self._inbox.take()
+                if deltas:
+                    message = self._message(deltas)
+                    finished = is_final(message)
+                    if stream:
+                        yield message
+                    else:
+                        append_response(collected, message)
+                if error is not None:
+                    raise error
+            if not stream:
+                yield collected
+            await self._finishing
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away (mid-send: exit)
+            await asyncio.shield(self._end(RequestPhase.CANCELLED, "abort"))
+            raise
+        except Exception as exc:
+            await self._end(RequestPhase.FAILED, "", error=f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            self.cancel()
+
+    def _message(self, deltas: list[decode_pb2.TokenDelta]) -> router_pb2.GenerateResponse:
+        message = generate_response(self.request_id, self._num_sent, deltas)
+        self._num_sent += len(message.token_ids)
+        self.store.append_tokens(self.request_id, message.token_ids, message.text)
+        if is_final(message):
+            progress = self.progress
+            message.usage.completion_tokens = self._num_sent
+            message.usage.cached_prompt_tokens = progress.cached_prompt_tokens
+            message.timings.CopyFrom(timings_to_proto(progress, time.monotonic()))
+            aborted = message.finish_reason == common_pb2.FINISH_REASON_ABORT
+            self._end(
+                RequestPhase.CANCELLED if aborted else RequestPhase.FINISHED,
+                FINISH_REASON_NAMES[message.finish_reason] or "",
+                completion_tokens=self._num_sent,
+                cached_prompt_tokens=progress.cached_prompt_tokens,
+            )
+        return message
+
+    def _end(self, phase: RequestPhase, finish_reason: str, **fields) -> asyncio.Future:
+        """Write the record's end; the first end decided wins. The client's message goes
+        out meanwhile; `responses` awaits the write before the call ends."""
+        if self._finishing is None:
+            self.progress.phase = phase
+            finish = self.store.finish(self.request_id, phase, finish_reason, **fields)
+            self._finishing = asyncio.ensure_future(finish)
+        return self._finishing
+
+    # -- what the runner reports (AttemptEvents) ----------------------------------------
+
+    def on_admitted(self, decode_worker: str) -> None:
+        self.progress.decode_worker = decode_worker
+        self.progress.admitted_at = time.monotonic()
+        self._enter(RequestPhase.PREFILLING)
+
+    def on_prefill_worker(self, prefill_worker: str) -> None:
+        self.progress.prefill_worker = prefill_worker
+        self._enter(self.progress.phase)
+
+    def on_first_token(self, delta: decode_pb2.TokenDelta, cached_prompt_tokens: int) -> None:
+        self.progress.first_token_at = time.monotonic()
+        self.progress.cached_prompt_tokens = cached_prompt_tokens
+        self._enter(RequestPhase.TRANSFERRING)
+        self._deliver(delta)
+
+    def deliver_decoded(self, delta: decode_pb2.TokenDelta) -> None:
+        if self.progress.phase is not RequestPhase.DECODING:
+            now = time.monotonic()
+            if self.progress.phase is RequestPhase.PREFILLING:  # colocated: no prefill hop,
+                self.progress.first_token_at = now  # the first token comes with the stream
+            self.progress.first_decode_at = now
+            self._enter(RequestPhase.DECODING)
+        self._deliver(delta)
+
+    def _deliver(self, delta: decode_pb2.TokenDelta) -> None:
+        if self._delivered.keep_new(delta):
+            self._inbox.put(delta)
+
+    def _enter(self, phase: RequestPhase) -> None:
+        # A Redis write per phase change would cost the router more CPU per request than
+        # its tokens: the brief phases ride the next checkpoint; DECODING (which worker
+        # holds the request from now on) goes out at once, without waiting.
+        progress = self.progress
+        progress.phase = phase
+        self.store.update_later(
+            self.request_id,
+            status=phase,
+            prefill_worker=progress.prefill_worker,
+            decode_worker=progress.decode_worker,
+            soon=phase is RequestPhase.DECODING,
+        )

@@ -1,0 +1,70 @@
+"""One request as every router sees it: the record `RequestStore` keeps in Redis as JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+
+from pdserve.core.phase import RequestPhase
+
+
+@dataclass
+class RequestRecord:
+    """A request as every router sees it. Times are unix seconds; 0.0 means not yet."""
+
+    request_id: str
+    status: RequestPhase
+    prompt_tokens: int
+    # output tokens appended so far; in Redis, exactly those checkpointed with the record
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    prefill_worker: str = ""
+    decode_worker: str = ""
+    router_id: str = ""  # the router running it: the only writer
+    finish_reason: str = ""  # "stop" | "length" | "abort" | ""
+    error: str = ""  # for FAILED: "CODE: message"
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = 0.0  # the last write
+    first_token_at: float = 0.0  # set by the first append_tokens with tokens
+    finished_at: float = 0.0
+    # sampling params and prompt form, so another router can check that an idempotent
+    # retry asks for the same thing
+    params_json: str = ""
+
+    def __post_init__(self) -> None:
+        self.status = RequestPhase(self.status)
+        if not self.updated_at:
+            self.updated_at = self.created_at
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status.is_terminal
+
+    def to_json(self) -> str:
+        # Every field is a plain value (status a str), so no dataclasses.asdict deep copy.
+        fields = {name: getattr(self, name) for name in _RECORD_FIELD_NAMES}
+        return json.dumps(fields, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> RequestRecord:
+        """Decode `to_json`'s output; unknown fields (a newer router's) are ignored."""
+        fields = json.loads(data)
+        return cls(**{name: value for name, value in fields.items() if name in _RECORD_FIELDS})
+
+    def assign(self, fields: dict) -> None:
+        """Set the given fields (never the id or the times the store keeps).
+
+        Raises ValueError, setting nothing, if one of them cannot be set.
+        """
+        unknown = fields.keys() - _UPDATABLE
+        if unknown:
+            raise ValueError(f"cannot set record fields {sorted(unknown)}")
+        for name, value in fields.items():
+            setattr(self, name, RequestPhase(value) if name == "status" else value)
+
+
+_RECORD_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(RequestRecord))
+_RECORD_FIELDS = frozenset(_RECORD_FIELD_NAMES)
+_UPDATABLE = _RECORD_FIELDS - {"request_id", "created_at", "updated_at"}

@@ -1,0 +1,81 @@
+"""A worker process's configuration: one dataclass holding the engine's, the one home of
+its defaults.
+
+`pdserve serve` makes a flag of every field, the engine's included (`--block-size`), each
+also read from its `PDSERVE_*` variable (`core/flags.py`). Durations are
+seconds (floats), as everywhere in pdserve.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from pdserve.core.workers import ROLES
+from pdserve.engine.config import EngineConfig
+from pdserve.kv.transfer import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_NUM_STREAMS
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """Everything one worker process needs, validated once; `engine` is its engine's."""
+
+    role: str = field(
+        metadata={
+            "help": "what this worker serves: prefill, decode or both (on one engine)",
+            "positional": True,
+            "choices": ROLES,
+        }
+    )
+    engine: EngineConfig  # the model, device, dtype, KV blocks and batching
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=0, metadata={"help": "port to listen on (0: a free one, printed)"})
+    threads: int | None = field(
+        default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"}
+    )
+    lease_ttl_s: float = field(
+        default=30.0,
+        metadata={"help": "seconds a KV lease waits for its prefill", "flag": "lease-ttl"},
+    )
+    # 1 measured best on 2 cores (docs/benchmarks.md)
+    kv_streams: int = field(
+        default=DEFAULT_NUM_STREAMS, metadata={"help": "parallel KV push streams per request"}
+    )
+    max_message_bytes: int = field(
+        default=DEFAULT_MAX_MESSAGE_BYTES, metadata={"help": "KV payload bytes per message"}
+    )
+    grace_s: float = field(
+        default=30.0,
+        metadata={"help": "seconds running requests get to finish on SIGTERM", "flag": "grace"},
+    )
+    redis_url: str | None = field(
+        default=None,
+        metadata={"help": "publish heartbeats to this worker registry", "env": ("REDIS_URL",)},
+    )
+    advertise_host: str | None = field(
+        default=None, metadata={"help": "host others reach this worker at (default: --host)"}
+    )
+    worker_id: str = field(
+        default_factory=lambda: uuid.uuid4().hex[:12],
+        metadata={"help": "this worker's name in the registry and logs", "default_help": "random"},
+    )
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.lease_ttl_s <= 0:
+            raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        for name in ("kv_streams", "max_message_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+
+    @property
+    def model(self) -> str:
+        """The model directory (the engine's)."""
+        return self.engine.model
