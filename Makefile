@@ -8,16 +8,20 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test run lint format protos clean
+.PHONY: help setup prometheus test run lint format protos clean
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-8s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
-setup:  ## create .venv, install torch and pdserve with the dev and bench extras
+setup:  ## create .venv, install torch and pdserve with the dev and bench extras; prometheus
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e '.[dev,bench]'
+	@sh scripts/setup_prometheus.sh
+
+prometheus:  ## install Debian's prometheus package (promtool too) if missing and possible
+	@sh scripts/setup_prometheus.sh
 
 test:  ## run the test suite (real Redis, real gRPC, real torch)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

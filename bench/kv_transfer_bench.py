@@ -3,7 +3,7 @@
 A receiver process serves three ends at once: a plain TCP socket that reads into one
 reused buffer (``recv_into``) and counts, and two grpc.aio KVTransfer servers whose
 PushKV is ``receive_push`` (every crc32 verified, bytes counted), one registered with
-``add_kv_transfer_servicer`` (zero-copy parsing) and one with the generated function
+``add_servicer`` with PushKV's zero-copy parser and one with the generated function
 (protobuf parsing). This process sends the same bytes to each: the KV of prompts of
 the ~55M benchmark model (8 layers, 2 KV heads, head_dim 64, block 16, float32). A
 2,048-token prompt is 128 blocks: 2 x 2048 x 2 x 64 x 4 bytes = 2 MiB per layer
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from pdserve.api.v1 import kv_transfer_pb2
 from pdserve.api.v1.kv_transfer_pb2_grpc import add_KVTransferServicer_to_server
 from pdserve.bench.component import alternate
 from pdserve.bench.machine import CpuWindow, describe, process_cpu_seconds
@@ -49,12 +50,13 @@ from pdserve.core.kv_chunk import KVLayerChunk, crc32
 from pdserve.kv.transfer import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_NUM_STREAMS,
+    ZERO_COPY_PARSERS,
     KVPusher,
-    add_kv_transfer_servicer,
     channel_options,
     keep_freed_memory,
     receive_push,
 )
+from pdserve.rpc.registration import add_servicer
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 64, 16
 PROMPT_TOKENS = 2048  # 128 blocks: 2 MiB of K and V per layer in float32
@@ -87,6 +89,12 @@ class _CountingServicer:
     CommitKV = RenewLease = Handshake
 
 
+def _zero_copy(servicer, server) -> None:
+    """KVTransfer on pdserve's one registration path, PushKV parsed without copies."""
+    service = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"]
+    add_servicer(servicer, service, server, parsers=ZERO_COPY_PARSERS)
+
+
 def _raw_tcp_receiver(listener: socket.socket) -> None:
     buffer = memoryview(bytearray(RAW_TCP_BUFFER_BYTES))
     while True:
@@ -101,7 +109,7 @@ def _raw_tcp_receiver(listener: socket.socket) -> None:
 async def _serve_grpc(ports, raw_port: int) -> None:
     """Two KVTransfer servers: PushKV registered zero-copy, and by the generated function."""
     servers, grpc_ports = [], []
-    for register in (add_kv_transfer_servicer, add_KVTransferServicer_to_server):
+    for register in (_zero_copy, add_KVTransferServicer_to_server):
         server = grpc.aio.server(options=channel_options(max(SWEEP_MESSAGE_BYTES)))
         register(_CountingServicer(), server)
         grpc_ports.append(server.add_insecure_port("127.0.0.1:0"))

@@ -13,11 +13,13 @@ import grpc
 import pytest
 from procs import router_process, worker_process
 
+from pdserve.api.v1 import router_pb2
 from pdserve.cli import build_parser
 from pdserve.client import AsyncClient, Client, Completion, PdserveError
 from pdserve.commands import generate, status
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.rpc.wire.client import request_info_from_proto
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 GREEDY_FLAGS = ("--temperature", "0", "--max-tokens", str(GREEDY.max_tokens), "--ignore-eos")
@@ -275,3 +277,10 @@ def test_the_commands_as_processes(cluster, expected):
     failed = run_pdserve("generate", PROMPT, "--router", cluster["router"], "--top-p", "2")
     assert failed.returncode == 1 and "Traceback" not in failed.stderr
     assert "sampling.top_p" in failed.stderr
+
+
+def test_request_info_carries_the_trace_id():
+    """GetRequest's trace id reaches the caller (it finds the request's trace by it)."""
+    message = router_pb2.RequestInfo(request_id="r", status="finished", trace_id="ab" * 16)
+    assert request_info_from_proto(message).trace_id == "ab" * 16
+    assert request_info_from_proto(router_pb2.RequestInfo(request_id="r")).trace_id == ""

@@ -235,7 +235,7 @@ def test_when_blocks_run_out_the_newest_request_is_preempted_and_later_recompute
         0,
         [],
     )
-    assert newer.num_preemptions == 1
+    assert newer.num_preemptions == scheduler.num_preemptions == 1
     assert list(scheduler.waiting) == [newer]
 
     # b needs three blocks and one is free: it waits until a finishes with its 4th token

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 
@@ -70,6 +71,15 @@ def test_up_serves_a_generate_and_sigterm_leaves_nothing_behind(demo_model_dir, 
             if "ready" in line and "router at" in line or not line:
                 break
         assert any("router at" in line for line in output), "".join(output)
+        while "Ctrl-C" not in line and line:  # what it prints once ready
+            line = proc.stdout.readline()
+            output.append(line)
+        served = [line.split() for line in output if line.startswith("metrics ")]
+        assert sorted(role for _, role, _ in served) == ["decode", "prefill", "router"]
+        assert all(url.startswith("http://127.0.0.1:") for _, _, url in served)
+        [router_metrics] = [url for _, role, url in served if role == "router"]
+        with urllib.request.urlopen(router_metrics, timeout=10) as response:
+            assert b"pdserve:" in response.read()
         descendants = children_of(proc.pid)
         assert len(descendants) >= 4  # redis, prefill, decode, router
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:

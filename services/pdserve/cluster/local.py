@@ -16,7 +16,14 @@ from pathlib import Path
 import grpc
 
 from pdserve.api.v1 import router_pb2, router_pb2_grpc
-from pdserve.cluster.processes import ChildProcess, router_args, spawn, wait_ready, worker_args
+from pdserve.cluster.processes import (
+    ChildProcess,
+    router_args,
+    service_env,
+    spawn,
+    wait_ready,
+    worker_args,
+)
 from pdserve.state.redis_server import redis_url
 
 REGISTRY_WAIT_S = 30.0
@@ -71,6 +78,8 @@ class LocalCluster:
     # False: the workers alone, for benchmarks that call them directly or start routers
     # of their own; no Redis is started for them (they publish heartbeats to `redis` if set)
     with_router: bool = True
+    # every process serves GET /metrics on a free port (its ready line says which)
+    metrics: bool = False
     on_progress: Callable[[str], None] = lambda message: None
     children: list[ChildProcess] = field(default_factory=list)
     router: ChildProcess | None = None
@@ -106,8 +115,14 @@ class LocalCluster:
                 self.on_progress(f"{child.name} ready at {child.address}")
         if not self.with_router:
             return
-        args = router_args(self.model, self.redis, self.router_args, port=self.router_port)
-        self.router = spawn("router", args, str(self.run_dir))
+        args = router_args(
+            self.model,
+            self.redis,
+            self.router_args,
+            port=self.router_port,
+            metrics_port=self._metrics_port,
+        )
+        self.router = spawn("router", args, str(self.run_dir), env=service_env("router"))
         self.children.append(self.router)
         wait_ready(self.router)
         self.on_progress(f"router ready at {self.router.address}")
@@ -115,11 +130,21 @@ class LocalCluster:
 
     def _spawn_worker(self, role: str, index: int) -> ChildProcess:
         args = worker_args(
-            role, self.model, self.worker_args, port=0, threads=self.threads, redis_url=self.redis
+            role,
+            self.model,
+            self.worker_args,
+            port=0,
+            threads=self.threads,
+            redis_url=self.redis,
+            metrics_port=self._metrics_port,
         )
         name = f"{'colocated' if role == 'both' else role}-{index}"
         self.on_progress(f"starting {name} (loading the model)")
-        return spawn(name, args, str(self.run_dir))
+        return spawn(name, args, str(self.run_dir), env=service_env(role))
+
+    @property
+    def _metrics_port(self) -> int | None:
+        return 0 if self.metrics else None  # 0: a free port; None: no endpoint
 
     def _wait_registered(self, count: int) -> None:
         """Until the router sees every worker healthy in the registry."""

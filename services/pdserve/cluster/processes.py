@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pdserve.core.flags import to_args
 from pdserve.router.config import RouterConfig
 from pdserve.rpc.server import READY_LINE
+from pdserve.telemetry.tracing import service_name
 from pdserve.worker.config import WorkerConfig
 
 READY_TIMEOUT_S = 180.0
@@ -38,6 +39,15 @@ class ChildProcess:
     @property
     def address(self) -> str:
         return self.fields["address"]
+
+    @property
+    def role(self) -> str:
+        return self.fields["role"]
+
+    @property
+    def metrics_address(self) -> str | None:
+        """host:port of its GET /metrics, if it serves one (`--metrics-port`)."""
+        return self.fields.get("metrics")
 
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM (graceful drain), then SIGKILL after timeout_s; the exit code."""
@@ -66,6 +76,13 @@ def router_args(model: str, redis_url: str, extra: Sequence[str] = (), **setting
     `settings` are `RouterConfig` fields by name, `extra` is appended as given."""
     config_args = to_args(RouterConfig, model=model, redis_url=redis_url, **settings)
     return ["router", *config_args, *extra]
+
+
+def service_env(role: str) -> dict[str, str]:
+    """A child's own variables: its role as OTEL_SERVICE_NAME, so that a trace shows each
+    process as a service of its own (one name for all would merge them). The caller's
+    other OTEL_* variables reach every child as they are (`spawn` passes its environment)."""
+    return {"OTEL_SERVICE_NAME": service_name(role)}
 
 
 def spawn(

@@ -6,6 +6,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
+
+from pdserve.core.flags import ConfigError, add_flags, config_from_args
 
 DEFAULT_ROUTER = "127.0.0.1:50051"
 EXIT_FAILURE = 1
@@ -32,3 +36,28 @@ def fail(command: str, error: BaseException | str, code: int = EXIT_FAILURE) -> 
     message = " ".join(str(error).split())  # one line, whatever the server's message holds
     print(f"pdserve {command}: {message}", file=sys.stderr)
     return code
+
+
+def add_process_command(
+    subcommands: argparse._SubParsersAction,
+    name: str,
+    config_cls: type,
+    main: Callable[[], Callable[[Any], int]],
+    *,
+    help: str,
+    description: str,
+) -> None:
+    """A subcommand that runs one server process: its flags are `config_cls`'s fields
+    (`core/flags.py`), and `main()` gives the process's entry point, imported only once
+    the config is valid (a worker's imports torch; `--help` should not)."""
+    cmd = subcommands.add_parser(name, help=help, description=description)
+    add_flags(cmd, config_cls)
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            config = config_from_args(config_cls, args)
+        except ConfigError as exc:
+            return fail(name, exc, code=EXIT_USAGE)
+        return main()(config)
+
+    cmd.set_defaults(run=run)

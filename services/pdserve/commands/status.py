@@ -19,6 +19,7 @@ from pdserve.client import Client, PdserveError
 from pdserve.commands import add_router_argument, fail, router_address
 from pdserve.core.workers import ROLES, WorkerInfo
 from pdserve.state.registry import WorkerRegistry
+from pdserve.telemetry.metrics import metrics_url
 
 COLUMNS = (
     "ROLE",
@@ -29,6 +30,7 @@ COLUMNS = (
     "WAITING",
     "KV FREE/TOTAL",
     "HEARTBEAT",
+    "METRICS",
 )
 JSON_FIELDS = (
     "worker_id",
@@ -40,6 +42,7 @@ JSON_FIELDS = (
     "free_blocks",
     "total_blocks",
     "updated_at",
+    "metrics_address",
 )
 COLUMN_GAP = "  "
 
@@ -115,6 +118,7 @@ def _row(worker: WorkerInfo, now: float) -> tuple[str, ...]:
         str(worker.waiting),
         f"{worker.free_blocks}/{worker.total_blocks}",
         f"{_age(worker, now):.1f}s ago",
+        metrics_url(worker.metrics_address) if worker.metrics_address else "-",
     )
 
 

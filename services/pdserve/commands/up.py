@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 
 from pdserve.cluster.local import ClusterShape, LocalCluster
+from pdserve.telemetry.metrics import metrics_url
 
 DEFAULT_ROUTER_PORT = 50051
 
@@ -73,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         router_port=args.port,
         worker_args=args.worker_arg,
+        metrics=True,
         on_progress=lambda m: console.print(f"  [dim]•[/dim] {m}"),
     )
     console.print(f"pdserve up: {shape} on {model}; logs in {run_dir}")
@@ -84,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         console.print(f"[green]ready[/green]: router at [bold]{cluster.router_address}[/bold]")
+        for line in metrics_lines(cluster):
+            console.print(line, highlight=False)
         console.print(f'  try: pdserve generate --router {cluster.router_address} "Hello there"')
         console.print("  Ctrl-C stops everything.")
         stop.wait()
@@ -92,6 +96,15 @@ def run(args: argparse.Namespace) -> int:
             cluster.stop()
         console.print("stopped: no process left running")
     return 0
+
+
+def metrics_lines(cluster: LocalCluster) -> list[str]:
+    """`metrics ROLE URL`: where each process of the cluster serves its metrics."""
+    return [
+        f"metrics {child.role} {metrics_url(child.metrics_address)}"
+        for child in cluster.children
+        if child.metrics_address
+    ]
 
 
 def ensure_demo_model(console: Console) -> Path:

@@ -77,6 +77,7 @@ class RequestInfo:
     error: str
     created_at: float  # unix seconds
     updated_at: float
+    trace_id: str = ""  # 32 hex digits of the request's trace; "" when it was not traced
 
 
 @dataclass(slots=True)

@@ -31,6 +31,7 @@ class WorkerInfo:
     cached_block_hashes: list[str] = field(default_factory=list)
     updated_at: float = 0.0  # unix seconds, by the clock of whoever measured the load
     healthy: bool = True
+    metrics_address: str = ""  # host:port of its GET /metrics; "": it serves none
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

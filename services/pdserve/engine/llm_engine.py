@@ -114,21 +114,21 @@ class LLMEngine:
         """Queue a request (text or token ids); return its id. Raises InvalidRequestError."""
         params = params if params is not None else SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        prompt_ids = self._prompt_token_ids(prompt)
-        self._validate(prompt_ids, params)
-        request = Request(
-            request_id,
-            prompt_ids,
-            replace(params),
-            self.eos_token_ids,
-            arrival_time=time.monotonic(),
-        )
+        request = self._new_request(request_id, prompt, params)
         with self._state_lock:
             if self.scheduler.get_request(request_id) is not None:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already running")
             self.outputs.add(request)
             self.scheduler.add_request(request)
         return request_id
+
+    def _new_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
+        """A validated Request (InvalidRequestError names the field), not yet queued."""
+        prompt_ids = self._prompt_token_ids(prompt)
+        self._validate(prompt_ids, params)
+        return Request(
+            request_id, prompt_ids, replace(params), self.eos_token_ids, time.monotonic()
+        )
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks. Unknown ids raise UnknownRequestError."""
@@ -250,15 +250,8 @@ class LLMEngine:
         another thread while `step` runs (it waits only while a step schedules or takes
         in its tokens).
         """
-        prompt_ids = self._prompt_token_ids(list(prompt_token_ids))
-        self._validate(prompt_ids, params)
-        request = Request(
-            request_id,
-            prompt_ids,
-            replace(params),
-            self.eos_token_ids,
-            arrival_time=time.monotonic(),
-        )
+        request = self._new_request(request_id, list(prompt_token_ids), params)
+        prompt_ids = request.prompt_token_ids
         with self._state_lock:
             if request_id in self._reserved or self.scheduler.get_request(request_id) is not None:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already in use")

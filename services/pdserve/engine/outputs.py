@@ -22,6 +22,7 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    scheduled_time: float = 0.0  # time.monotonic() the request was first scheduled
 
     def extend(self, delta: RequestOutput) -> None:
         self.token_ids.extend(delta.token_ids)
@@ -74,6 +75,7 @@ class OutputProcessor:
             finish_reason=reason or request.status.finish_reason,
             logprobs=None if logprobs is None else [logprobs],
             num_cached_tokens=request.num_cached_tokens or 0,
+            scheduled_time=request.scheduled_time,
         )
         return output, stopped
 

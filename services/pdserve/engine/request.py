@@ -48,6 +48,8 @@ class Request:
     num_computed_tokens: int = 0
     # prompt tokens served from the prefix cache at first scheduling
     num_cached_tokens: int | None = None
+    # time.monotonic() of its first scheduling (queue wait: this - arrival_time); 0.0: not yet
+    scheduled_time: float = 0.0
     # the block table: block_ids[i] holds tokens [i*block_size, (i+1)*block_size)
     block_ids: list[int] = field(default_factory=list)
     # chained hashes of this request's full blocks, computed once per block

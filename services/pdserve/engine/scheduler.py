@@ -8,6 +8,7 @@ freed and it goes back to the front of the waiting queue, to be recomputed later
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -96,6 +97,7 @@ class Scheduler:
         self.running: list[Request] = []  # oldest admitted first; preemption takes the last
         self._requests: dict[str, Request] = {}  # unfinished requests, waiting or running
         self._finished_request_ids: list[str] = []
+        self.num_preemptions = 0  # since the start, for metrics
 
     @property
     def num_waiting(self) -> int:
@@ -255,6 +257,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.num_cached_tokens is None:  # first scheduling only, not after preemption
                 request.num_cached_tokens = num_computed_tokens
+                request.scheduled_time = time.monotonic()
             self.running.append(request)
             output.scheduled.append(ScheduledRequest.plan(request, num_new_tokens))
             token_budget -= num_new_tokens
@@ -264,6 +267,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     def _stop_status(self, request: Request) -> RequestStatus | None:

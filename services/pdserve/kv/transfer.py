@@ -22,7 +22,8 @@ import asyncio
 import ctypes
 import ctypes.util
 import threading
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -69,10 +70,12 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
 
 @dataclass(frozen=True, slots=True)
 class PushTotals:
-    """What the receiver counted for one push: KVChunk messages and payload bytes."""
+    """What the receiver counted for one push: KVChunk messages and payload bytes; and
+    the seconds from the first message sent to the receiver's answer."""
 
     chunks: int
     bytes: int
+    seconds: float = 0.0
 
 
 class KVPushError(Exception):
@@ -117,15 +120,19 @@ class KVPusher:
         chunks: Iterable[tuple[int, KVLayerChunk]],
         *,
         timeout: float | None = None,
+        metadata: Sequence[tuple[str, str]] = (),
     ) -> PushTotals:
         """Send ``(first_block, chunk)`` pairs into ``lease_id``; return the receiver's totals.
+
+        ``metadata`` goes with each PushKV call: the caller's trace context, taken on the
+        caller's thread (the calls run on the pusher's loop, whose context is its own).
 
         ``chunks`` may block between items (layers still computing): each message is on
         its stream as soon as it is made. Messages go round-robin over the streams.
         Raises ``KVPushError`` with the status of the first stream that failed, after
         cancelling the others; an exception from ``chunks`` cancels all and propagates.
         """
-        push = _Push(lease_id, self._loop, self._channels, timeout)
+        push = _Push(lease_id, self._loop, self._channels, timeout, metadata)
         try:
             self._feed(push, chunks)
         except BaseException:
@@ -172,13 +179,15 @@ class KVPusher:
 class _Push:
     """One push: a PushKV call per channel on the pusher's loop, fed from the caller's thread."""
 
-    def __init__(self, lease_id: str, loop, channels, timeout: float | None):
+    def __init__(self, lease_id: str, loop, channels, timeout: float | None, metadata=()):
         self.lease_id, self._loop = lease_id, loop
         self._queues = [asyncio.Queue() for _ in channels]
         self._num_sent = 0
+        self._first_sent_at = 0.0  # time.monotonic(); 0.0: nothing sent yet
         self._slots = threading.Semaphore(MESSAGES_QUEUED_PER_STREAM * len(channels))
         self._failed = False  # set on the loop, read by the caller: a plain flag will do
-        self._future = asyncio.run_coroutine_threadsafe(self._run(channels, timeout), loop)
+        calls = self._run(channels, timeout, tuple(metadata) or None)
+        self._future = asyncio.run_coroutine_threadsafe(calls, loop)
 
     def send(self, message: bytes) -> bool:
         """Queue a message on the next stream (blocking while they are full).
@@ -188,6 +197,8 @@ class _Push:
         self._slots.acquire()
         if self._failed:
             return False
+        if not self._num_sent:  # a push's transfer starts with its first layer, not before
+            self._first_sent_at = time.monotonic()
         queue = self._queues[self._num_sent % len(self._queues)]
         self._num_sent += 1
         self._loop.call_soon_threadsafe(queue.put_nowait, message)
@@ -206,10 +217,10 @@ class _Push:
         except grpc.aio.AioRpcError as error:
             raise KVPushError(self.lease_id, error.code(), error.details()) from None
 
-    async def _run(self, channels, timeout: float | None) -> PushTotals:
+    async def _run(self, channels, timeout: float | None, metadata) -> PushTotals:
         calls = [
             channel.stream_unary(PUSH_KV_METHOD, response_deserializer=_parse_result)(
-                timeout=timeout
+                timeout=timeout, metadata=metadata
             )
             for channel in channels
         ]
@@ -225,7 +236,8 @@ class _Push:
                 task.cancel()
             for call in calls:
                 call.cancel()
-        return PushTotals(sum(r.chunks for r in results), sum(r.bytes for r in results))
+        seconds = time.monotonic() - self._first_sent_at if self._first_sent_at else 0.0
+        return PushTotals(sum(r.chunks for r in results), sum(r.bytes for r in results), seconds)
 
     async def _stream(self, call, queue: asyncio.Queue) -> kv_transfer_pb2.PushKVResult:
         try:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from pdserve.router.handoff import DEFAULT_LEASE_TTL_S
 from pdserve.router.policy import DEFAULT_PREFILL_POLICY, PREFILL_POLICIES, ColocationRule
+from pdserve.telemetry.logs import LogConfig
+from pdserve.telemetry.metrics import MetricsConfig
 
 
 class DiscoveryKind(enum.StrEnum):
@@ -96,6 +98,10 @@ class RouterConfig:
             "default_help": "router-<random>",
         },
     )
+    # how it logs: --log-format, --log-level
+    log: LogConfig = field(default_factory=LogConfig)
+    # its Prometheus endpoint: --metrics-port (`pdserve up` gives every process one)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         self.discovery = DiscoveryKind(self.discovery)

@@ -14,12 +14,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 import grpc
+from opentelemetry.trace import SpanKind
 
 from pdserve.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from pdserve.core.block_hash import num_blocks_for, prompt_block_hashes
 from pdserve.router.relay import DecodeRelays, RelayStream
 from pdserve.rpc.wire import is_final
 from pdserve.rpc.wire.router import prefill_response_to_delta
+from pdserve.telemetry import tracing
 
 log = logging.getLogger(__name__)
 RELEASE_TIMEOUT_S = 5.0
@@ -76,7 +78,9 @@ class ChannelPool:
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
+            channel = grpc.aio.insecure_channel(
+                address, options=self._options, interceptors=tracing.client_interceptors()
+            )
             self._channels[address] = channel
         return channel
 
@@ -115,21 +119,26 @@ class HandOff:
             sampling=attempt.sampling,
             lease_ttl_ms=self.lease_ttl_ms,
         )
-        admitting = asyncio.ensure_future(stub.Admit(request, timeout=attempt.time_left()))
-        try:
-            lease = await asyncio.shield(admitting)
-        except asyncio.CancelledError:
-            # We stop here, but the worker may admit all the same: give that lease back
-            # at once rather than leave its blocks reserved until it expires.
-            admitting.add_done_callback(lambda done: self._give_back(stub, done))
-            raise
+        with tracing.span("admit", attempt.request_id, kind=SpanKind.CLIENT) as span:
+            span.set_attribute("pdserve.worker", decode_address)
+            admitting = asyncio.ensure_future(stub.Admit(request, timeout=attempt.time_left()))
+            try:
+                lease = await asyncio.shield(admitting)
+            except asyncio.CancelledError:
+                # We stop here, but the worker may admit all the same: give that lease back
+                # at once rather than leave its blocks reserved until it expires.
+                admitting.add_done_callback(lambda done: self._give_back(stub, done))
+                raise
+            span.set_attribute("pdserve.lease.num_blocks", lease.num_blocks)
         return Admission(decode_address, lease)
 
     def attach(self, admission: Admission, attempt: Attempt) -> RelayStream:
         """The lease's decode tokens (after the first), from before prefill starts, so
         that no token waits on us. Cancelling the stream frees the lease."""
         attach = decode_pb2.RelayAttach(
-            lease_id=admission.lease.lease_id, stream_interval=self.stream_interval
+            lease_id=admission.lease.lease_id,
+            stream_interval=self.stream_interval,
+            trace_context=tracing.trace_carrier(),
         )
         return self.relays.open(admission.decode_address, attach, attempt.time_left())
 
@@ -148,7 +157,9 @@ class HandOff:
             sampling=attempt.sampling,
             target=target,
         )
-        return await stub.Prefill(request, timeout=attempt.time_left())
+        with tracing.span("prefill", attempt.request_id, kind=SpanKind.CLIENT) as span:
+            span.set_attribute("pdserve.worker", prefill_address)
+            return await stub.Prefill(request, timeout=attempt.time_left())
 
     def colocated(self, address: str, attempt: Attempt) -> RelayStream:
         """Prefill and decode on one worker, no KV transfer: every token on the stream."""
@@ -157,7 +168,11 @@ class HandOff:
             prompt_token_ids=attempt.prompt,
             sampling=attempt.sampling,
         )
-        attach = decode_pb2.RelayAttach(stream_interval=self.stream_interval, generate=generate)
+        attach = decode_pb2.RelayAttach(
+            stream_interval=self.stream_interval,
+            generate=generate,
+            trace_context=tracing.trace_carrier(),
+        )
         return self.relays.open(address, attach, attempt.time_left())
 
     async def generate(

@@ -114,6 +114,8 @@ def _identity_key(worker: WorkerInfo) -> tuple[str, str]:
 
 
 class PrefillPolicy(Protocol):
+    name: str  # its --prefill-policy value (and metrics' policy label)
+
     def rank(self, workers: Sequence[WorkerInfo], prompt_hashes: Sequence[str]) -> list[WorkerInfo]:
         """The healthy workers, most preferred first; the router tries them in order."""
         ...
@@ -138,6 +140,8 @@ class CacheAwarePrefill:
     Highest score first; ties go to the longer cached prefix (less prefill for the
     cluster as a whole), then fewer queued requests, then address, then worker_id.
     """
+
+    name = "cache_aware"
 
     def __init__(self) -> None:
         self._hash_sets = CachedHashSets()
@@ -167,6 +171,8 @@ class CacheAwarePrefill:
 class LeastLoadedPrefill:
     """Fewest running + waiting first, then most free KV blocks, then address, worker_id."""
 
+    name = "least_loaded"
+
     def rank(self, workers: Sequence[WorkerInfo], prompt_hashes: Sequence[str]) -> list[WorkerInfo]:
         return sorted(
             _healthy(workers),
@@ -181,6 +187,8 @@ class RoundRobinPrefill:
     every worker leads in turn, whatever order the workers are listed in and even as
     workers join or leave. The rest follow in cycle order, for retries.
     """
+
+    name = "round_robin"
 
     def __init__(self) -> None:
         self._last_first: tuple[str, str] | None = None
@@ -199,9 +207,7 @@ class RoundRobinPrefill:
 
 
 PREFILL_POLICIES: dict[str, Callable[[], PrefillPolicy]] = {
-    "cache_aware": CacheAwarePrefill,
-    "least_loaded": LeastLoadedPrefill,
-    "round_robin": RoundRobinPrefill,
+    policy.name: policy for policy in (CacheAwarePrefill, LeastLoadedPrefill, RoundRobinPrefill)
 }
 DEFAULT_PREFILL_POLICY = "cache_aware"
 
@@ -219,6 +225,8 @@ def make_prefill_policy(name: str = DEFAULT_PREFILL_POLICY) -> PrefillPolicy:
 
 
 class DecodePolicy(Protocol):
+    name: str  # in traces' routing spans
+
     def rank(self, workers: Sequence[WorkerInfo], num_blocks_needed: int) -> list[WorkerInfo]:
         """The healthy workers, most preferred first; the router tries them in order."""
         ...
@@ -232,6 +240,8 @@ class MostFreeDecode:
     ranking, last: their free_blocks is a snapshot, and the worker itself is the
     authority (it answers RESOURCE_EXHAUSTED when it really has no room).
     """
+
+    name = "most_free"
 
     def rank(self, workers: Sequence[WorkerInfo], num_blocks_needed: int) -> list[WorkerInfo]:
         return sorted(

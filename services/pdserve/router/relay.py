@@ -12,6 +12,7 @@ UNAVAILABLE when the call itself broke (the worker died).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import logging
 from collections.abc import Callable
@@ -118,7 +119,9 @@ class _RelayConnection:
         self._ids = itertools.count(1)
         self.open = True
         self._call = stub.Relay(self._commands())
-        self._reader = asyncio.create_task(self._read())
+        # In a context of its own: the call serves many requests, not the one that opened it
+        # (whose trace its log lines would otherwise name).
+        self._reader = asyncio.create_task(self._read(), context=contextvars.Context())
 
     def attach(self, attach: decode_pb2.RelayAttach, timeout: float | None) -> RelayStream:
         stream = RelayStream(self, next(self._ids), timeout)
@@ -126,6 +129,10 @@ class _RelayConnection:
         attach.stream_id = stream.stream_id
         self._outbox.put_nowait(decode_pb2.RelayCommand(attach=attach))
         return stream
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
 
     def forget(self, stream: RelayStream, detach: bool) -> None:
         if self._streams.pop(stream.stream_id, None) is not None and detach and self.open:
@@ -189,6 +196,12 @@ class DecodeRelays:
                 stub, lambda closed: self._forget(address, closed)
             )
         return connection.attach(attach, timeout)
+
+    @property
+    def num_streams(self) -> int:
+        """Requests attached to the calls now; safe to read from another thread (metrics)."""
+        # list() copies the dict's values in one step: the loop may change it meanwhile
+        return sum(connection.num_streams for connection in list(self._connections.values()))
 
     def _forget(self, address: str, closed: _RelayConnection) -> None:
         # Workers come and go (pods move): drop a broken call, unless already replaced.

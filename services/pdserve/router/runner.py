@@ -22,6 +22,8 @@ from pdserve.router.handoff import DEFAULT_LEASE_TTL_S, Admission, Attempt, Chan
 from pdserve.router.policy import ColocationRule, DecodePolicy, PrefillPolicy, cached_prefix_blocks
 from pdserve.rpc.wire import is_final
 from pdserve.rpc.wire.router import prefill_response_to_delta
+from pdserve.telemetry import metrics, tracing
+from pdserve.telemetry.metrics import COLOCATED_POLICY, RoutingOutcome
 
 
 class AttemptEvents(Protocol):
@@ -38,6 +40,9 @@ class AttemptEvents(Protocol):
 
     def deliver_decoded(self, delta: decode_pb2.TokenDelta) -> None:
         """A delta from the decode stream; called from the relay's reader: must not block."""
+
+    def on_failover(self, worker: str, error: BaseException) -> None:
+        """`worker` refused or was unreachable; the attempt moves on to the next candidate."""
 
 
 @dataclass(slots=True)
@@ -63,6 +68,17 @@ class Pool:
         if len(sizes) != 1:
             raise PreconditionError(_disagreement(self.decode + self.prefill))
         return sizes.pop()
+
+
+def route_attributes(policy: str, ranked: Sequence[WorkerInfo], cached_tokens: int) -> dict:
+    """A routing decision's span attributes: the policy, its choice, the cache-hit estimate
+    (prompt tokens the chosen worker holds in its prefix cache, as it last reported)."""
+    return {
+        "pdserve.route.policy": policy,
+        "pdserve.route.num_candidates": len(ranked),
+        "pdserve.route.worker": ranked[0].address,
+        "pdserve.route.cached_tokens": cached_tokens,
+    }
 
 
 def _disagreement(workers: Sequence[WorkerInfo]) -> str:
@@ -99,24 +115,36 @@ class RequestRunner:
             raise UnavailableError("no healthy decode worker")
         pool = Pool(decode_workers, self.discovery.workers("prefill"))
         attempt = attempt.for_block_size(pool.block_size)
-        decodes = self.decode_policy.rank(
-            self.dispatches.adjust(pool.decode), attempt.num_blocks_needed
-        )
-        first_choice = decodes[0]
-        cached = cached_prefix_blocks(first_choice, attempt.block_hashes) * attempt.block_size
-        if self.config.colocation.should_colocate(len(attempt.prompt), cached):
-            await self._colocated(first_choice, attempt, events)
+        decodes, colocate = self._route_decode(pool, attempt)
+        if colocate:
+            await self._colocated(decodes[0], attempt, events)
             return
         admission = await self._admit(decodes, attempt, events)
         stream = self.handoff.attach(admission, attempt)
         try:
             response = await self._prefill(pool.prefill, admission, attempt, events)
+            cached_tokens = response.usage.cached_prompt_tokens
+            hit = RoutingOutcome.CACHE_HIT if cached_tokens else RoutingOutcome.CACHE_MISS
+            metrics.routing_decision(self.prefill_policy.name, hit)
             head = prefill_response_to_delta(response)
-            events.on_first_token(head, response.usage.cached_prompt_tokens)
+            events.on_first_token(head, cached_tokens)
             if not is_final(head):
                 await stream.deliver(events.deliver_decoded)
         finally:
             stream.cancel()  # no-op when it ended; frees the decode side when we stop early
+
+    def _route_decode(self, pool: Pool, attempt: Attempt) -> tuple[list[WorkerInfo], bool]:
+        """The decode workers in the order to try them, and whether to colocate on the first."""
+        with tracing.span("route decode", attempt.request_id) as span:
+            decodes = self.decode_policy.rank(
+                self.dispatches.adjust(pool.decode), attempt.num_blocks_needed
+            )
+            cached = cached_prefix_blocks(decodes[0], attempt.block_hashes) * attempt.block_size
+            colocate = self.config.colocation.should_colocate(len(attempt.prompt), cached)
+            if span.is_recording():
+                span.set_attributes(route_attributes(self.decode_policy.name, decodes, cached))
+                span.set_attribute("pdserve.route.colocated", colocate)
+        return decodes, colocate
 
     async def _admit(
         self, decodes: list[WorkerInfo], attempt: Attempt, events: AttemptEvents
@@ -131,9 +159,11 @@ class RequestRunner:
                 admission = await self.handoff.admit(worker.address, attempt)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    events.on_failover(worker.address, exc)
                     num_exhausted += 1
                     continue
                 if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    events.on_failover(worker.address, exc)
                     self.discovery.mark_unhealthy(worker.address)
                     continue
                 raise
@@ -151,9 +181,14 @@ class RequestRunner:
         events: AttemptEvents,
     ) -> prefill_pb2.PrefillResponse:
         """Prefill on the best prefill worker; UNAVAILABLE moves on (the lease stays open)."""
-        prefills = self.prefill_policy.rank(
-            self.dispatches.adjust(prefill_workers), attempt.block_hashes
-        )
+        with tracing.span("route prefill", attempt.request_id) as span:
+            prefills = self.prefill_policy.rank(
+                self.dispatches.adjust(prefill_workers), attempt.block_hashes
+            )
+            if span.is_recording() and prefills:
+                blocks = cached_prefix_blocks(prefills[0], attempt.block_hashes)
+                policy = self.prefill_policy.name
+                span.set_attributes(route_attributes(policy, prefills, blocks * attempt.block_size))
         if not prefills:
             raise UnavailableError("no healthy prefill worker")
         last_error: Exception | None = None
@@ -166,6 +201,7 @@ class RequestRunner:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
+                events.on_failover(worker.address, exc)
                 self.discovery.mark_unhealthy(worker.address)
                 last_error = exc  # the lease is still open: the next worker pushes into it
         raise last_error
@@ -176,6 +212,7 @@ class RequestRunner:
         )
         events.on_admitted(worker.address)
         events.on_prefill_worker(worker.address)
+        metrics.routing_decision(COLOCATED_POLICY, RoutingOutcome.COLOCATED)
         stream = self.handoff.colocated(worker.address, attempt)
         try:
             await stream.deliver(events.deliver_decoded)

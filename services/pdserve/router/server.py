@@ -22,6 +22,9 @@ from pdserve.rpc.registration import Service
 from pdserve.rpc.server import KEEPALIVE_OPTIONS, ServerOptions, message_size_options
 from pdserve.state.registry import WorkerRegistry
 from pdserve.state.requests import RequestStore
+from pdserve.telemetry import metrics, tracing
+from pdserve.telemetry.metrics import ROUTER_ROLE, ProcessLabels, ProcessMetrics
+from pdserve.telemetry.request import served_model_name
 
 __all__ = ["RouterConfig", "main", "serve"]
 log = logging.getLogger(__name__)
@@ -60,6 +63,7 @@ class RouterApp:
             ),
         )
         self.servicer = _servicer(config, self.runner, self.store, self.discovery)
+        self.metrics: ProcessMetrics | None = None  # once started, with --metrics-port
 
     @property
     def services(self) -> list[Service]:
@@ -69,12 +73,20 @@ class RouterApp:
         await self.store.start()
         await self.discovery.start()
         await self.servicer.cancel_bus.start(self.servicer.cancel_local)
-        return {"id": self.config.router_id}
+        config = self.config
+        labels = ProcessLabels(served_model_name(config.model), ROUTER_ROLE, config.router_id)
+        self.metrics = metrics.serve(labels, config.host, config.metrics)
+        if self.metrics is None:
+            return {"id": config.router_id}
+        self.metrics.watch_relays(self.runner.handoff.relays)
+        return {"id": config.router_id, "metrics": self.metrics.address}
 
     async def drain(self) -> None:
         """Nothing to leave: workers are not told about routers."""
 
     async def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
         await self.servicer.cancel_bus.close()
         await self.discovery.stop()
         await self.runner.close()
@@ -112,8 +124,14 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         grace_s=config.grace_s,
         grpc_options=message_size_options(MAX_MESSAGE_BYTES),
     )
-    await rpc_server.serve(RouterApp(config), options, stop)
+    tracer_provider = tracing.configure(ROUTER_ROLE)  # from the OTEL_* variables; None: off
+    try:
+        await rpc_server.serve(RouterApp(config), options, stop)
+    finally:
+        tracing.shutdown(tracer_provider)  # export the spans still queued
 
 
 def main(config: RouterConfig) -> int:
-    return rpc_server.run(config.router_id, serve(config))
+    return rpc_server.run(
+        serve(config), role="router", process_id=config.router_id, log_config=config.log
+    )

@@ -30,6 +30,7 @@ from pdserve.rpc.wire.router import (
     worker_status_to_proto,
 )
 from pdserve.state.requests import RequestStore
+from pdserve.telemetry.request import served_model_name
 
 log = logging.getLogger(__name__)
 # The sampling parameters' field path: as the engine names it, and in the public API.
@@ -59,6 +60,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         max_inflight: int,
     ):
         self.model_dir, self.tokenizer, self.model_config = model_dir, tokenizer, model_config
+        self.model_name = served_model_name(model_dir)  # in spans and log lines
         self.fingerprint, self.max_model_len = fingerprint, max_model_len
         self.runner, self.store, self.discovery = runner, store, discovery
         self.cancel_bus = cancel_bus
@@ -95,6 +97,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             store=self.store,
             router_id=self.router_id,
             received_at=received_at,
+            model=self.model_name,
         )
         if not await session.open(start_first=not request.request_id):
             async for message in self._replay(request_id, offset, request.stream):

@@ -31,6 +31,8 @@ from pdserve.rpc.wire import FINISH_REASON_NAMES, drop_first_tokens, is_final
 from pdserve.rpc.wire.router import append_response, generate_response, timings_to_proto
 from pdserve.state.record import RequestRecord
 from pdserve.state.requests import RequestStore
+from pdserve.telemetry import metrics
+from pdserve.telemetry.request import RequestTelemetry, failure_text
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ def _retryable(exc: BaseException) -> bool:
 def _log_retry(state) -> None:
     exc = state.outcome.exception()
     log.info("attempt %d failed (%s), retrying", state.attempt_number, exc.code().name)
+    metrics.retry(exc.code().name)
 
 
 def retry_safe(sampling: common_pb2.SamplingParams, params: SamplingParams):
@@ -172,9 +175,13 @@ class RequestSession:
         store: RequestStore,
         router_id: str,
         received_at: float,
+        model: str,
     ):
         self.attempt, self.runner, self.store, self.router_id = attempt, runner, store, router_id
         self.request_id = attempt.request_id
+        self.telemetry = RequestTelemetry(
+            attempt.request_id, attempt.sampling, model=model, prompt_tokens=len(attempt.prompt)
+        )
         self.progress = Progress(received_at=received_at)
         self._delivered = DeliveredTokens()
         self._inbox = DeltaInbox()
@@ -198,14 +205,17 @@ class RequestSession:
             status=RequestPhase.QUEUED,
             prompt_tokens=len(self.attempt.prompt),
             router_id=self.router_id,
+            trace_id=self.telemetry.trace_id,
         )
         try:
             created = await self.store.create(record)
-        except BaseException:  # Redis down, or the client left: stop what started
+        except BaseException as exc:  # Redis down, or the client left: stop what started
             self.cancel()
+            self.telemetry.failed_to_start(self.progress, exc)
             raise
         if not created:
             self.cancel()
+            self.telemetry.abandon()
             return False
         if self._task is None:
             self._start()
@@ -217,7 +227,8 @@ class RequestSession:
             self._task.cancel()
 
     def _start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        # In the request's trace context: the attempts' spans and calls are its children.
+        self._task = asyncio.create_task(self._run(), context=self.telemetry.context())
 
     async def _run(self) -> None:
         """The attempts, until one reaches the final delta or a failure is not retryable."""
@@ -225,7 +236,7 @@ class RequestSession:
             stop=stop_after_attempt(self.runner.config.max_attempts),
             wait=wait_random_exponential(multiplier=RETRY_BACKOFF_BASE_S, max=RETRY_BACKOFF_MAX_S),
             retry=retry_if_exception(_retryable),
-            before_sleep=_log_retry,
+            before_sleep=self._before_retry,
             reraise=True,
         )
         try:
@@ -239,6 +250,10 @@ class RequestSession:
             raise
         except BaseException as exc:
             self._inbox.fail(exc)
+
+    def _before_retry(self, state) -> None:
+        _log_retry(state)
+        self.telemetry.on_retry(state.attempt_number, state.outcome.exception())
 
     # -- the client's side --------------------------------------------------------------
 
@@ -266,7 +281,7 @@ class RequestSession:
             await asyncio.shield(self._end(RequestPhase.CANCELLED, "abort"))
             raise
         except Exception as exc:
-            await self._end(RequestPhase.FAILED, "", error=f"{type(exc).__name__}: {exc}")
+            await self._end(RequestPhase.FAILED, "", failure=exc)
             raise
         finally:
             self.cancel()
@@ -274,6 +289,7 @@ class RequestSession:
     def _message(self, deltas: list[decode_pb2.TokenDelta]) -> router_pb2.GenerateResponse:
         message = generate_response(self.request_id, self._num_sent, deltas)
         self._num_sent += len(message.token_ids)
+        self.telemetry.on_message(len(message.token_ids))
         self.store.append_tokens(self.request_id, message.token_ids, message.text)
         if is_final(message):
             progress = self.progress
@@ -289,13 +305,25 @@ class RequestSession:
             )
         return message
 
-    def _end(self, phase: RequestPhase, finish_reason: str, **fields) -> asyncio.Future:
-        """Write the record's end; the first end decided wins. The client's message goes
-        out meanwhile; `responses` awaits the write before the call ends."""
+    def _end(
+        self, phase: RequestPhase, finish_reason: str, failure: Exception | None = None, **fields
+    ) -> asyncio.Future:
+        """Write the record's end (and the request's telemetry); the first end decided
+        wins. The client's message goes out meanwhile; `responses` awaits the write
+        before the call ends."""
         if self._finishing is None:
             self.progress.phase = phase
+            if failure is not None:
+                fields["error"] = failure_text(failure)
             finish = self.store.finish(self.request_id, phase, finish_reason, **fields)
             self._finishing = asyncio.ensure_future(finish)
+            self.telemetry.finish(
+                self.progress,
+                phase,
+                finish_reason,
+                completion_tokens=self._num_sent,
+                failure=failure,
+            )
         return self._finishing
 
     # -- what the runner reports (AttemptEvents) ----------------------------------------
@@ -304,6 +332,9 @@ class RequestSession:
         self.progress.decode_worker = decode_worker
         self.progress.admitted_at = time.monotonic()
         self._enter(RequestPhase.PREFILLING)
+
+    def on_failover(self, worker: str, error: BaseException) -> None:
+        self.telemetry.on_failover(worker, error)
 
     def on_prefill_worker(self, prefill_worker: str) -> None:
         self.progress.prefill_worker = prefill_worker

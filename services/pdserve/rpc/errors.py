@@ -19,6 +19,7 @@ from grpc_status import rpc_status
 from pdserve.core import errors
 from pdserve.core.errors import InvalidRequestError
 from pdserve.rpc.registration import UndecodableRequest
+from pdserve.telemetry import tracing
 
 log = logging.getLogger(__name__)
 DEFAULT_RETRY_DELAY_S = 0.1
@@ -44,21 +45,29 @@ STATUS_CODES: tuple[tuple[type[BaseException], int], ...] = (
 _RETRY_LATER = frozenset({code_pb2.RESOURCE_EXHAUSTED, code_pb2.UNAVAILABLE})
 
 
+def status_code(exc: BaseException) -> int:
+    """The code (`google.rpc.Code`) of `to_status(exc)`, without building the status."""
+    if isinstance(exc, InvalidRequestError):
+        return code_pb2.OUT_OF_RANGE if exc.out_of_range else code_pb2.INVALID_ARGUMENT
+    if isinstance(exc, grpc.aio.AioRpcError):  # a worker's status, passed on (retries spent)
+        return exc.code().value[0]
+    return next((code for kind, code in STATUS_CODES if isinstance(exc, kind)), code_pb2.INTERNAL)
+
+
 def to_status(exc: BaseException) -> status_pb2.Status:
     """The rich status for an exception (INTERNAL, without internals, for the unexpected)."""
+    code = status_code(exc)
     if isinstance(exc, InvalidRequestError):
         violation = error_details_pb2.BadRequest.FieldViolation(
             field=exc.field, description=exc.message
         )
-        code = code_pb2.OUT_OF_RANGE if exc.out_of_range else code_pb2.INVALID_ARGUMENT
         return _status(code, str(exc), error_details_pb2.BadRequest(field_violations=[violation]))
-    if isinstance(exc, grpc.aio.AioRpcError):  # a worker's status, passed on (retries spent)
-        return _status(exc.code().value[0], exc.details() or exc.code().name)
-    for error_type, code in STATUS_CODES:
-        if isinstance(exc, error_type):
-            if code in _RETRY_LATER:
-                return _status(code, str(exc), _retry_info())
-            return _status(code, str(exc))
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return _status(code, exc.details() or exc.code().name)
+    if code in _RETRY_LATER:
+        return _status(code, str(exc), _retry_info())
+    if code != code_pb2.INTERNAL:  # no domain error maps to INTERNAL: this one is unexpected
+        return _status(code, str(exc))
     log.error("unexpected error in a handler", exc_info=exc)
     return _status(code_pb2.INTERNAL, f"internal error ({type(exc).__name__})")
 
@@ -83,11 +92,13 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
 
 
 def rpc_errors(method):
-    """Wrap an async servicer method (unary or streaming) so errors become statuses."""
+    """Wrap an async servicer method (unary or streaming) so errors become statuses, and
+    the caller's trace context (W3C, in the call's metadata) is current while it runs."""
     if inspect.isasyncgenfunction(method):
 
         @functools.wraps(method)
         async def stream_wrapper(self, request, context):
+            token = tracing.attach_incoming(context)
             try:
                 _check_parsed(request)
                 async for item in method(self, request, context):
@@ -96,11 +107,14 @@ def rpc_errors(method):
                 raise
             except Exception as exc:
                 await abort(context, exc)
+            finally:
+                tracing.detach(token)
 
         return stream_wrapper
 
     @functools.wraps(method)
     async def unary_wrapper(self, request, context):
+        token = tracing.attach_incoming(context)
         try:
             _check_parsed(request)
             return await method(self, request, context)
@@ -108,6 +122,8 @@ def rpc_errors(method):
             raise
         except Exception as exc:
             await abort(context, exc)
+        finally:
+            tracing.detach(token)
 
     return unary_wrapper
 

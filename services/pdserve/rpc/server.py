@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import sys
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,6 +23,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.rpc.registration import Service, add_servicer
+from pdserve.telemetry import logs
+from pdserve.telemetry.logs import LogConfig
 
 log = logging.getLogger(__name__)
 # What a server prints, with its address, once it serves: process managers and tests
@@ -131,9 +132,10 @@ class _Health:
             await self.servicer.set(name, status)
 
 
-def run(who: str, main: Coroutine) -> int:
-    """A server process's main: log lines naming `who`, then run the coroutine `main`."""
-    configure_logging(who)
+def run(main: Coroutine, *, role: str, process_id: str, log_config: LogConfig) -> int:
+    """A server process's main: log lines as `log_config` says, each naming this process
+    (its `role` and id), then run the coroutine `main`."""
+    logs.configure(log_config, role=role, process_id=process_id)
     asyncio.run(main)
     return 0
 
@@ -151,12 +153,3 @@ def stop_on_signals(stop: asyncio.Event) -> None:
 def announce_ready(**fields) -> None:
     """Print the line process managers and tests wait for: `PDSERVE_READY k=v ...`."""
     print(" ".join([READY_LINE, *(f"{k}={v}" for k, v in fields.items())]), flush=True)
-
-
-def configure_logging(who: str) -> None:
-    """Log lines on stderr, each naming this process (`pdserve up` keeps one file each)."""
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format=f"%(asctime)s {who} %(levelname)s %(name)s: %(message)s",
-    )

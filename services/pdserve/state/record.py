@@ -23,6 +23,7 @@ class RequestRecord:
     prefill_worker: str = ""
     decode_worker: str = ""
     router_id: str = ""  # the router running it: the only writer
+    trace_id: str = ""  # its OpenTelemetry trace (32 hex digits); "": not traced
     finish_reason: str = ""  # "stop" | "length" | "abort" | ""
     error: str = ""  # for FAILED: "CODE: message"
     created_at: float = field(default_factory=time.time)

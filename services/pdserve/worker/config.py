@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pdserve.core.workers import ROLES
 from pdserve.engine.config import EngineConfig
 from pdserve.kv.transfer import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_NUM_STREAMS
+from pdserve.telemetry.logs import LogConfig
+from pdserve.telemetry.metrics import MetricsConfig
 
 
 @dataclass(slots=True)
@@ -59,6 +61,10 @@ class WorkerConfig:
         default_factory=lambda: uuid.uuid4().hex[:12],
         metadata={"help": "this worker's name in the registry and logs", "default_help": "random"},
     )
+    # how it logs: --log-format, --log-level
+    log: LogConfig = field(default_factory=LogConfig)
+    # its Prometheus endpoint: --metrics-port (`pdserve up` gives every process one)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -4,15 +4,22 @@ colocated path. The leases themselves live in worker/leases.py, delivery in outb
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
+
+from google.rpc import code_pb2
+from opentelemetry.trace import Span, SpanKind
 
 from pdserve.api.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
 from pdserve.core.errors import PreconditionError
 from pdserve.core.kv_chunk import KVLayerChunk
+from pdserve.kv.lease import Lease
 from pdserve.kv.transfer import receive_push
-from pdserve.rpc.errors import rpc_errors
+from pdserve.rpc.errors import rpc_errors, status_code
 from pdserve.rpc.wire import sampling_params_from_proto
 from pdserve.rpc.wire.worker import lease_renewal_to_proto, lease_to_proto, worker_load_to_proto
+from pdserve.telemetry import metrics, tracing
+from pdserve.telemetry.metrics import TransferSide
 from pdserve.worker.outbox import Outbox, deliver_one
 from pdserve.worker.relay import RelayCall
 from pdserve.worker.worker import Worker
@@ -31,12 +38,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         worker = self.worker
         worker.check_admitting()
         ttl_s = request.lease_ttl_ms / 1000 if request.lease_ttl_ms else None
-        lease = worker.leases.admit(
-            list(request.prompt_token_ids),
-            sampling_params_from_proto(request.sampling),
-            request.request_id or uuid.uuid4().hex,
-            ttl_s,
-        )
+        with tracing.span("admit", request.request_id, kind=SpanKind.SERVER) as span:
+            lease = worker.leases.admit(
+                list(request.prompt_token_ids),
+                sampling_params_from_proto(request.sampling),
+                request.request_id or uuid.uuid4().hex,
+                ttl_s,
+            )
+            span.set_attribute("pdserve.lease.num_blocks", lease.num_blocks)
         return lease_to_proto(lease, worker.layout)
 
     @rpc_errors
@@ -78,6 +87,29 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             relay.wake()
 
 
+class _ReceivedKV:
+    """One PushKV stream's span: the request it brought KV for, its layers, its counts."""
+
+    __slots__ = ("span", "layers")
+
+    def __init__(self, span: Span):
+        self.span, self.layers = span, set()
+
+    def add(self, lease: Lease, layer: int) -> None:
+        if self.span.is_recording():
+            if not self.layers:
+                self.span.set_attribute(tracing.REQUEST_ID, lease.request_id)
+            self.layers.add(layer)
+
+    def end(self, result: kv_transfer_pb2.PushKVResult | None, error: Exception | None = None):
+        if result is not None and self.span.is_recording():
+            counts = tracing.kv_transfer_attributes(len(self.layers), result.chunks, result.bytes)
+            self.span.set_attributes(counts)
+        if error is not None:
+            tracing.set_error(self.span, error)
+        self.span.end()
+
+
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     def __init__(self, worker: Worker):
         self.worker = worker
@@ -97,19 +129,35 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     @rpc_errors
     async def PushKV(self, request_iterator, context):
         leases, leases_seen = self.worker.leases, set()
+        first_chunk_at = 0.0  # time.monotonic(): the transfer's time starts with its KV
+        span = tracing.start_span("kv_transfer receive", "", kind=SpanKind.SERVER)
+        received = _ReceivedKV(span)
 
         def on_chunk(lease_id: str, first_block: int, chunk: KVLayerChunk) -> None:
+            nonlocal first_chunk_at
+            first_chunk_at = first_chunk_at or time.monotonic()
             leases_seen.add(lease_id)
-            leases.import_chunk(lease_id, first_block, chunk)
+            received.add(leases.import_chunk(lease_id, first_block, chunk), chunk.layer)
 
         try:
-            return await receive_push(request_iterator, on_chunk)
+            result = await receive_push(request_iterator, on_chunk)
         except asyncio.CancelledError:
             # The pusher went away mid-stream (its process died, or it gave up): its
             # leases can never complete, so fail them now rather than at their deadline.
+            metrics.kv_transfer_failed(TransferSide.RECEIVE, "CANCELLED")
+            span.end()
             for lease_id in leases_seen:
                 await asyncio.shield(leases.fail(lease_id, "KV push broke off"))
             raise
+        except Exception as exc:
+            reason = code_pb2.Code.Name(status_code(exc))  # the status the sender gets
+            metrics.kv_transfer_failed(TransferSide.RECEIVE, reason)
+            received.end(None, exc)
+            raise
+        received.end(result)
+        seconds = time.monotonic() - first_chunk_at if first_chunk_at else 0.0
+        metrics.kv_transferred(TransferSide.RECEIVE, result.bytes, seconds)
+        return result
 
     @rpc_errors
     async def RenewLease(self, request, context):

@@ -55,6 +55,7 @@ class AdmittedLeases:
         self._admitted: dict[str, AdmittedLease] = {}  # by lease id
         self._background: set[asyncio.Task] = set()
         self._expiry_task: asyncio.Task | None = None  # runs on workers that admit
+        self.num_expired = 0  # leases whose KV did not arrive in time, for metrics
 
     def __len__(self) -> int:
         """The leases not yet ended."""
@@ -97,8 +98,9 @@ class AdmittedLeases:
         admitted.stream_attached = True
         return admitted
 
-    def import_chunk(self, lease_id: str, first_block: int, chunk: KVLayerChunk) -> None:
-        """Write a pushed chunk into the lease's blocks (LeaseError or KVChunkError if not).
+    def import_chunk(self, lease_id: str, first_block: int, chunk: KVLayerChunk) -> Lease:
+        """Write a pushed chunk into the lease's blocks (LeaseError or KVChunkError if not);
+        returns the lease.
 
         Its place is checked first (a lease only ever writes into its own blocks), then
         the cache writes it (verifying shape, size and checksum), and only then it counts.
@@ -108,6 +110,7 @@ class AdmittedLeases:
         self._table.mark_received(
             lease, chunk.layer, first_block, chunk.num_blocks, len(chunk.data)
         )
+        return lease
 
     def renew(self, lease_id: str) -> Lease:
         """Move an open lease's deadline (see `LeaseTable.renew`)."""
@@ -145,6 +148,8 @@ class AdmittedLeases:
         if lease is None:
             return
         self._admitted.pop(lease.lease_id, None)
+        if state is LeaseState.EXPIRED:
+            self.num_expired += 1
         if not admitted.ready.done():
             admitted.ready.set_exception(reason)
             admitted.ready.exception()  # retrieved here: a stream may never await it

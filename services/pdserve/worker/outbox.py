@@ -9,9 +9,13 @@ outputs to the attached requests' sinks, which forward them straight into the ca
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+
+from opentelemetry import context as otel_context
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
 
 from pdserve.api.v1 import decode_pb2
 from pdserve.core.errors import InvalidRequestError, LeaseNotFoundError
@@ -19,6 +23,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.kv.lease import LeaseState
 from pdserve.rpc.wire import sampling_params_from_proto
 from pdserve.rpc.wire.worker import deltas_to_proto
+from pdserve.telemetry import tracing
 from pdserve.worker.leases import AdmittedLease
 from pdserve.worker.worker import Worker
 
@@ -72,6 +77,11 @@ class Attached:
     pending: PendingDeltas
     admitted: AdmittedLease | None  # the lease path; None: a colocated generation
     ended: bool = False
+    # its trace: the parent of its span (None: the current context), the span once it
+    # decodes here (a lease's from its commit, a colocated one's from the attach)
+    trace_parent: otel_context.Context | None = None
+    span: Span = INVALID_SPAN
+    span_started_at: float = 0.0  # time.monotonic()
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +122,15 @@ class Outbox:
 
     # -- attaching ----------------------------------------------------------------------------
 
-    def attach_lease(self, stream_id: int, lease_id: str, stream_interval: int) -> Attached:
-        """Deliver an admitted lease's request once its KV is committed.
+    def attach_lease(
+        self,
+        stream_id: int,
+        lease_id: str,
+        stream_interval: int,
+        trace_context: Mapping[str, str] | None = None,
+    ) -> Attached:
+        """Deliver an admitted lease's request once its KV is committed; `trace_context`:
+        the request's (a Relay attach's), None: the caller's.
 
         Raises InvalidRequestError if the stream id is in use, LeaseNotFoundError unless
         the lease is admitted and has no stream yet.
@@ -122,13 +139,18 @@ class Outbox:
         admitted = self.worker.leases.attach_stream(lease_id)
         pending = PendingDeltas(stream_interval, NUM_TOKENS_FROM_PREFILL)
         attached = Attached(stream_id, admitted.lease.request_id, pending, admitted)
+        attached.trace_parent = tracing.parent_from(trace_context or {})
         self.attached[stream_id] = attached
         admitted.ready.add_done_callback(lambda ready: self._on_ready(attached, ready))
         admitted.sink.forward_to(lambda item: self._on_item(attached, item))
         return attached
 
     def attach_generate(
-        self, stream_id: int, request: decode_pb2.LocalGenerateRequest, stream_interval: int
+        self,
+        stream_id: int,
+        request: decode_pb2.LocalGenerateRequest,
+        stream_interval: int,
+        trace_context: Mapping[str, str] | None = None,
     ) -> Attached:
         """Start a colocated generation (prefill and decode here) and deliver it.
 
@@ -138,6 +160,8 @@ class Outbox:
         self._check_unused(stream_id)
         request_id = request.request_id or uuid.uuid4().hex
         attached = Attached(stream_id, request_id, PendingDeltas(stream_interval), None)
+        attached.trace_parent = tracing.parent_from(trace_context or {})
+        _start_span(attached, "generate")
         self.attached[stream_id] = attached
         self.worker.leases.spawn(self._start_generate(attached, request))
         return attached
@@ -169,8 +193,12 @@ class Outbox:
     # -- what the engine produced -------------------------------------------------------------
 
     def _on_ready(self, attached: Attached, ready: asyncio.Future) -> None:
-        if not ready.cancelled() and ready.exception() is not None and not attached.ended:
+        if ready.cancelled() or attached.ended:
+            return
+        if ready.exception() is not None:
             self.fail(attached, ready.exception())
+        else:  # the KV is committed: decoding starts
+            _start_span(attached, "decode")
 
     def _on_item(self, attached: Attached, item: RequestOutput | BaseException) -> None:
         if attached.ended:
@@ -192,6 +220,7 @@ class Outbox:
 
     def fail(self, attached: Attached, error: BaseException) -> None:
         """End a request with an error, after whatever it produced before the error."""
+        tracing.set_error(attached.span, error)
         if attached.pending.deltas:
             self._ready.append(Outgoing(attached.stream_id, attached.pending.take()))
         self._ready.append(Outgoing(attached.stream_id, error))
@@ -211,6 +240,7 @@ class Outbox:
     def _end(self, attached: Attached, aborted: bool) -> None:
         """Forget the request here; free its lease, or abort it if it did not finish."""
         attached.ended = True
+        _end_span(attached)
         self.attached.pop(attached.stream_id, None)
         self._due.pop(attached.stream_id, None)
         self.wake()
@@ -224,6 +254,27 @@ class Outbox:
             worker.loop.close_sink(attached.request_id)
             if aborted:
                 worker.leases.spawn(worker.loop.abort(attached.request_id))
+
+
+def _start_span(attached: Attached, name: str) -> None:
+    attached.span = tracing.start_span(
+        name, attached.request_id, kind=SpanKind.SERVER, parent=attached.trace_parent
+    )
+    attached.span_started_at = time.monotonic()
+
+
+def _end_span(attached: Attached) -> None:
+    """End the request's span with the tokens it produced here and their time per token."""
+    span = attached.span
+    if span.is_recording():
+        num_tokens = attached.pending.num_output_tokens
+        if attached.admitted is not None:  # the first one came from the prefill worker
+            num_tokens -= NUM_TOKENS_FROM_PREFILL
+        elapsed = time.monotonic() - attached.span_started_at
+        span.set_attribute("gen_ai.usage.output_tokens", num_tokens)
+        span.set_attribute("pdserve.decode.time_per_output_token", elapsed / max(num_tokens, 1))
+    span.end()
+    attached.span = INVALID_SPAN  # ended once
 
 
 async def deliver_one(outbox: Outbox, attached: Attached) -> AsyncIterator[decode_pb2.TokenDelta]:

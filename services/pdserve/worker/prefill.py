@@ -6,9 +6,11 @@ import asyncio
 import dataclasses
 import logging
 import queue
+import time
 import uuid
 
 import grpc
+from opentelemetry.trace import SpanKind
 
 from pdserve.api.v1 import (
     decode_pb2,
@@ -20,10 +22,12 @@ from pdserve.api.v1 import (
 from pdserve.core.errors import InvalidRequestError, PreconditionError
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.outputs import RequestOutput
-from pdserve.kv.transfer import KVPusher, KVPushError, channel_options
+from pdserve.kv.transfer import KVPusher, KVPushError, PushTotals, channel_options
 from pdserve.rpc.errors import rpc_errors
 from pdserve.rpc.wire import sampling_params_from_proto
 from pdserve.rpc.wire.worker import prefill_response_to_proto, worker_load_to_proto
+from pdserve.telemetry import metrics, tracing
+from pdserve.telemetry.metrics import TransferSide
 from pdserve.worker.engine_loop import EXPORT_DONE, EngineFailedError, KVExport, Sink
 from pdserve.worker.worker import Worker
 
@@ -40,7 +44,9 @@ class _DecodePeer:
 
     def __init__(self, address: str, worker: Worker):
         options = channel_options(worker.config.max_message_bytes)
-        self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.channel = grpc.aio.insecure_channel(
+            address, options=options, interceptors=tracing.client_interceptors()
+        )
         self.kv = kv_transfer_pb2_grpc.KVTransferStub(self.channel)
         self.decode = decode_pb2_grpc.DecodeStub(self.channel)
         self.pusher = KVPusher(
@@ -116,6 +122,47 @@ def exported_chunks(export: KVExport, timeout_s: float):
         yield item
 
 
+async def push_kv(pusher: KVPusher, lease_id: str, chunks, *, request_id: str) -> PushTotals:
+    """Push a prompt's KV into a lease (on a thread: `push` blocks), in a span of its own
+    and counted in the send side's metrics."""
+    with tracing.span("kv_transfer send", request_id, kind=SpanKind.CLIENT) as span:
+        layers: set[int] = set()
+        if span.is_recording():
+            chunks = _layers_of(chunks, layers)
+        # explicitly: the pusher's calls run on its own loop, in a context of their own
+        metadata = tuple(tracing.trace_carrier().items())
+        try:
+            totals = await asyncio.to_thread(pusher.push, lease_id, chunks, metadata=metadata)
+        except Exception as exc:
+            metrics.kv_transfer_failed(TransferSide.SEND, _push_failure(exc))
+            raise
+        if span.is_recording():
+            span.set_attributes(
+                tracing.kv_transfer_attributes(len(layers), totals.chunks, totals.bytes)
+            )
+            span.set_attribute("pdserve.worker", pusher.target)
+    metrics.kv_transferred(TransferSide.SEND, totals.bytes, totals.seconds)
+    return totals
+
+
+def _layers_of(chunks, layers: set[int]):
+    """`chunks` as they are, noting each one's layer in `layers` (for the span)."""
+    for first_block, chunk in chunks:
+        layers.add(chunk.layer)
+        yield first_block, chunk
+
+
+def _push_failure(exc: Exception) -> str:
+    """Why a push broke off, named as the status codes of the receiving side's failures."""
+    if isinstance(exc, KVPushError):  # the decode worker ended it
+        return exc.code.name
+    if isinstance(exc, PrefillAbandonedError):
+        return "CANCELLED"
+    if isinstance(exc, TimeoutError):
+        return "DEADLINE_EXCEEDED"
+    return "INTERNAL"  # the engine failed
+
+
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, worker: Worker):
         self.worker = worker
@@ -124,10 +171,20 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
 
     @rpc_errors
     async def Prefill(self, request, context):
-        worker = self.worker
-        worker.check_admitting()
+        self.worker.check_admitting()
         if not request.target.address or not request.target.lease_id:
             raise InvalidRequestError("target", "address and lease_id are required")
+        with tracing.span("prefill", request.request_id, kind=SpanKind.SERVER) as span:
+            started = time.monotonic()
+            first, reason = await self._prefill(request)
+            if span.is_recording():
+                span.set_attributes(prefill_attributes(first, started, time.monotonic()))
+        return prefill_response_to_proto(first, reason)
+
+    async def _prefill(self, request) -> tuple[RequestOutput, str | None]:
+        """Run the prompt and start its KV hand-off: the first token, and why the request
+        ends with it (None: it goes on at the decode worker)."""
+        worker = self.worker
         # Its own id in this engine: on a `both` worker the decode side holds the
         # caller's request id for the same request (its lease).
         request_id = f"{request.request_id or uuid.uuid4().hex}{PREFILL_ID_SUFFIX}"
@@ -142,13 +199,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await worker.loop.call(
                 self._start, list(request.prompt_token_ids), params, request_id, export
             )
-            push = asyncio.create_task(
-                asyncio.to_thread(
-                    peer.pusher.push,
-                    lease_id,
-                    exported_chunks(export, worker.config.lease_ttl_s),
-                )
-            )
+            chunks = exported_chunks(export, worker.config.lease_ttl_s)
+            pushing = push_kv(peer.pusher, lease_id, chunks, request_id=request.request_id)
+            push = asyncio.create_task(pushing)
             first: RequestOutput = await self._first_token(request_id, sink)
         except BaseException:  # failed or cancelled by the caller: free both sides now
             keeper.cancel()
@@ -160,7 +213,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         )
         self.transfers.add(task)
         task.add_done_callback(self.transfers.discard)
-        return prefill_response_to_proto(first, reason)
+        return first, reason
 
     def _start(self, prompt, params, request_id, export) -> None:
         """On the engine thread: queue the prompt and its layer-by-layer export together."""
@@ -232,6 +285,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await asyncio.gather(*self.transfers, return_exceptions=True)
         for peer in self.peers.values():
             await peer.close()
+
+
+def prefill_attributes(first: RequestOutput, started: float, done: float) -> dict:
+    """The prefill span's: prompt and cached tokens, the wait for the engine (from the call
+    to the first scheduling) and the compute to the first token, as vLLM names them."""
+    scheduled = first.scheduled_time or started
+    return {
+        "gen_ai.usage.input_tokens": len(first.prompt_token_ids),
+        "pdserve.prefill.cached_tokens": first.num_cached_tokens,
+        "gen_ai.latency.time_in_queue": max(scheduled - started, 0.0),
+        "gen_ai.latency.time_in_model_prefill": max(done - scheduled, 0.0),
+    }
 
 
 def first_token_finish(first: RequestOutput, params: SamplingParams) -> str | None:

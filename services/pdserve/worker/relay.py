@@ -66,10 +66,15 @@ class RelayCall:
         """Attach a request; a bad attach gets its error on its stream id alone."""
         outbox, kind = self.outbox, attach.WhichOneof("request")
         try:
+            # each attach carries its request's trace context: the call carries many
             if kind == "lease_id":
-                outbox.attach_lease(attach.stream_id, attach.lease_id, attach.stream_interval)
+                outbox.attach_lease(
+                    attach.stream_id, attach.lease_id, attach.stream_interval, attach.trace_context
+                )
             elif kind == "generate":
-                outbox.attach_generate(attach.stream_id, attach.generate, attach.stream_interval)
+                outbox.attach_generate(
+                    attach.stream_id, attach.generate, attach.stream_interval, attach.trace_context
+                )
             else:
                 raise InvalidRequestError("attach.request", "set lease_id or generate")
         except (InvalidRequestError, LeaseNotFoundError) as exc:

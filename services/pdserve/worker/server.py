@@ -14,6 +14,9 @@ from pdserve.rpc import server as rpc_server
 from pdserve.rpc.registration import Service
 from pdserve.rpc.server import ServerOptions
 from pdserve.state.registry import WorkerRegistry, heartbeat
+from pdserve.telemetry import metrics, tracing
+from pdserve.telemetry.metrics import ProcessLabels, ProcessMetrics
+from pdserve.telemetry.request import served_model_name
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.services import WorkerServices
 from pdserve.worker.worker import Worker
@@ -41,18 +44,26 @@ class WorkerApp:
         self.gates = WorkerServices(config.role)
         self.worker: Worker | None = None  # once the model is loaded
         self._heartbeats: tuple[asyncio.Task, asyncio.Event] | None = None
+        self.metrics: ProcessMetrics | None = None  # once started, with --metrics-port
 
     @property
     def services(self) -> list[Service]:
         return self.gates.services
 
     async def start(self, port: int) -> dict[str, object]:
-        engine, fingerprint = await asyncio.to_thread(_load_engine, self.config)
-        self.worker = Worker(self.config, engine, fingerprint, port)
+        config = self.config
+        engine, fingerprint = await asyncio.to_thread(_load_engine, config)
+        labels = ProcessLabels(served_model_name(config.model), config.role, config.worker_id)
+        self.metrics = metrics.serve(labels, config.host, config.metrics)
+        metrics_port = self.metrics.port if self.metrics is not None else None
+        self.worker = Worker(config, engine, fingerprint, port, metrics_port=metrics_port)
         self.worker.start()
         self.gates.open(self.worker)
         self._heartbeats = _start_heartbeats(self.worker)
-        return {"blocks": engine.block_manager.num_blocks}
+        if self.metrics is None:
+            return {"blocks": engine.block_manager.num_blocks}
+        self.metrics.watch_worker(self.worker)
+        return {"blocks": engine.block_manager.num_blocks, "metrics": self.metrics.address}
 
     async def drain(self) -> None:
         self.worker.draining = True
@@ -63,6 +74,8 @@ class WorkerApp:
             await task
 
     async def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
         await self.gates.close()
         await self.worker.close()
 
@@ -87,8 +100,14 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
         grace_s=config.grace_s,
         grpc_options=channel_options(config.max_message_bytes),
     )
-    await rpc_server.serve(WorkerApp(config), options, stop)
+    tracer_provider = tracing.configure(config.role)  # from the OTEL_* variables; None: off
+    try:
+        await rpc_server.serve(WorkerApp(config), options, stop)
+    finally:
+        tracing.shutdown(tracer_provider)  # export the spans still queued
 
 
 def main(config: WorkerConfig) -> int:
-    return rpc_server.run(f"{config.role}[{config.worker_id}]", serve(config))
+    return rpc_server.run(
+        serve(config), role=config.role, process_id=config.worker_id, log_config=config.log
+    )

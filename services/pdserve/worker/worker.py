@@ -22,11 +22,21 @@ class Worker:
     servicers, and this, exist only after (see worker/services.py).
     """
 
-    def __init__(self, config: WorkerConfig, engine: LLMEngine, fingerprint: str, port: int):
+    def __init__(
+        self,
+        config: WorkerConfig,
+        engine: LLMEngine,
+        fingerprint: str,
+        port: int,
+        *,
+        metrics_port: int | None = None,  # of its metrics endpoint, if it serves one
+    ):
         self.config = config
         self.engine = engine
         self.fingerprint = fingerprint  # of the model's weights (`model_fingerprint`)
-        self.address = f"{config.advertise_host or config.host}:{port}"  # how others reach us
+        host = config.advertise_host or config.host
+        self.address = f"{host}:{port}"  # how others reach us
+        self.metrics_address = f"{host}:{metrics_port}" if metrics_port is not None else ""
         self.loop = EngineLoop(engine, asyncio.get_running_loop())
         self.leases = AdmittedLeases(self.loop, config.lease_ttl_s)
         # What a prefill worker's KV must match here (checked at Handshake).
@@ -75,6 +85,7 @@ class Worker:
             open_leases=len(self.leases),
             cached_block_hashes=[h.hex() for h in hashes],
             updated_at=time.time(),
+            metrics_address=self.metrics_address,
         )
 
     async def start_local(

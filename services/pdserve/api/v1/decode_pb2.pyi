@@ -111,16 +111,25 @@ class RelayCommand(_message.Message):
     def __init__(self, attach: _Optional[_Union[RelayAttach, _Mapping]] = ..., detach: _Optional[_Union[RelayDetach, _Mapping]] = ...) -> None: ...
 
 class RelayAttach(_message.Message):
-    __slots__ = ("stream_id", "stream_interval", "lease_id", "generate")
+    __slots__ = ("stream_id", "stream_interval", "lease_id", "generate", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATE_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     stream_interval: int
     lease_id: str
     generate: LocalGenerateRequest
-    def __init__(self, stream_id: _Optional[int] = ..., stream_interval: _Optional[int] = ..., lease_id: _Optional[str] = ..., generate: _Optional[_Union[LocalGenerateRequest, _Mapping]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, stream_id: _Optional[int] = ..., stream_interval: _Optional[int] = ..., lease_id: _Optional[str] = ..., generate: _Optional[_Union[LocalGenerateRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RelayDetach(_message.Message):
     __slots__ = ("stream_id",)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.api.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd2\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x0e\n\x06stream\x18\x05 \x01(\x08\x12\x18\n\x0bresume_from\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\x08\n\x06promptB\x0e\n\x0c_resume_from\"f\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x11\n\tdecode_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\"\x80\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12.\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1c.pdserve.v1.PositionLogprobs\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x08 \x01(\x0b\x32\x13.pdserve.v1.Timings\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\'\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xea\x01\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x16\n\x0eprefill_worker\x18\x03 \x01(\t\x12\x15\n\rdecode_worker\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x12\n\nupdated_at\x18\t \x01(\x01\"\x14\n\x12ListWorkersRequest\"\xb2\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\x05\x12\x0f\n\x07running\x18\x07 \x01(\x05\x12\x0f\n\x07waiting\x18\x08 \x01(\x05\x12\x12\n\nupdated_at\x18\t \x01(\x01\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\x95\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x32\x86\x04\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12?\n\x06\x43\x61ncel\x12\x19.pdserve.v1.CancelRequest\x1a\x1a.pdserve.v1.CancelResponse\x12\x44\n\nGetRequest\x12\x1d.pdserve.v1.GetRequestRequest\x1a\x17.pdserve.v1.RequestInfo\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponse\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.pdserve.v1.DetokenizeRequest\x1a\x1e.pdserve.v1.DetokenizeResponse\x12H\n\tModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x1d.pdserve.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/router.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xd2\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x0e\n\x06stream\x18\x05 \x01(\x08\x12\x18\n\x0bresume_from\x18\x06 \x01(\rH\x01\x88\x01\x01\x42\x08\n\x06promptB\x0e\n\x0c_resume_from\"f\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x11\n\tdecode_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\"\x80\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12.\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1c.pdserve.v1.PositionLogprobs\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x07 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x08 \x01(\x0b\x32\x13.pdserve.v1.Timings\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\'\n\x11GetRequestRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xfc\x01\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x16\n\x0eprefill_worker\x18\x03 \x01(\t\x12\x15\n\rdecode_worker\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x12\n\ncreated_at\x18\x08 \x01(\x01\x12\x12\n\nupdated_at\x18\t \x01(\x01\x12\x10\n\x08trace_id\x18\n \x01(\t\"\x14\n\x12ListWorkersRequest\"\xcb\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\x05\x12\x0f\n\x07running\x18\x07 \x01(\x05\x12\x0f\n\x07waiting\x18\x08 \x01(\x05\x12\x12\n\nupdated_at\x18\t \x01(\x01\x12\x17\n\x0fmetrics_address\x18\n \x01(\t\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\x95\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x32\x86\x04\n\x06Router\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12?\n\x06\x43\x61ncel\x12\x19.pdserve.v1.CancelRequest\x1a\x1a.pdserve.v1.CancelResponse\x12\x44\n\nGetRequest\x12\x1d.pdserve.v1.GetRequestRequest\x1a\x17.pdserve.v1.RequestInfo\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponse\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12K\n\nDetokenize\x12\x1d.pdserve.v1.DetokenizeRequest\x1a\x1e.pdserve.v1.DetokenizeResponse\x12H\n\tModelInfo\x12\x1c.pdserve.v1.ModelInfoRequest\x1a\x1d.pdserve.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,25 +47,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETREQUESTREQUEST']._serialized_start=739
   _globals['_GETREQUESTREQUEST']._serialized_end=778
   _globals['_REQUESTINFO']._serialized_start=781
-  _globals['_REQUESTINFO']._serialized_end=1015
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1017
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1037
-  _globals['_WORKERSTATUS']._serialized_start=1040
-  _globals['_WORKERSTATUS']._serialized_end=1218
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1220
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1284
-  _globals['_TOKENIZEREQUEST']._serialized_start=1286
-  _globals['_TOKENIZEREQUEST']._serialized_end=1317
-  _globals['_TOKENIZERESPONSE']._serialized_start=1319
-  _globals['_TOKENIZERESPONSE']._serialized_end=1356
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1358
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1396
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1398
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1432
-  _globals['_MODELINFOREQUEST']._serialized_start=1434
-  _globals['_MODELINFOREQUEST']._serialized_end=1452
-  _globals['_MODELINFORESPONSE']._serialized_start=1455
-  _globals['_MODELINFORESPONSE']._serialized_end=1604
-  _globals['_ROUTER']._serialized_start=1607
-  _globals['_ROUTER']._serialized_end=2125
+  _globals['_REQUESTINFO']._serialized_end=1033
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1035
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1055
+  _globals['_WORKERSTATUS']._serialized_start=1058
+  _globals['_WORKERSTATUS']._serialized_end=1261
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1263
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1327
+  _globals['_TOKENIZEREQUEST']._serialized_start=1329
+  _globals['_TOKENIZEREQUEST']._serialized_end=1360
+  _globals['_TOKENIZERESPONSE']._serialized_start=1362
+  _globals['_TOKENIZERESPONSE']._serialized_end=1399
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1401
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1439
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1441
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1475
+  _globals['_MODELINFOREQUEST']._serialized_start=1477
+  _globals['_MODELINFOREQUEST']._serialized_end=1495
+  _globals['_MODELINFORESPONSE']._serialized_start=1498
+  _globals['_MODELINFORESPONSE']._serialized_end=1647
+  _globals['_ROUTER']._serialized_start=1650
+  _globals['_ROUTER']._serialized_end=2168
 # @@protoc_insertion_point(module_scope)

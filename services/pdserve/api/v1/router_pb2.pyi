@@ -82,7 +82,7 @@ class GetRequestRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class RequestInfo(_message.Message):
-    __slots__ = ("request_id", "status", "prefill_worker", "decode_worker", "usage", "finish_reason", "error", "created_at", "updated_at")
+    __slots__ = ("request_id", "status", "prefill_worker", "decode_worker", "usage", "finish_reason", "error", "created_at", "updated_at", "trace_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class RequestInfo(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     status: str
     prefill_worker: str
@@ -101,14 +102,15 @@ class RequestInfo(_message.Message):
     error: str
     created_at: float
     updated_at: float
-    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ...) -> None: ...
+    trace_id: str
+    def __init__(self, request_id: _Optional[str] = ..., status: _Optional[str] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., created_at: _Optional[float] = ..., updated_at: _Optional[float] = ..., trace_id: _Optional[str] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "healthy", "free_blocks", "total_blocks", "running", "waiting", "updated_at")
+    __slots__ = ("worker_id", "role", "address", "healthy", "free_blocks", "total_blocks", "running", "waiting", "updated_at", "metrics_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +120,7 @@ class WorkerStatus(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -127,7 +130,8 @@ class WorkerStatus(_message.Message):
     running: int
     waiting: int
     updated_at: float
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., updated_at: _Optional[float] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., updated_at: _Optional[float] = ..., metrics_address: _Optional[str] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)

@@ -70,6 +70,7 @@ def request_info_from_proto(msg: router_pb2.RequestInfo) -> RequestInfo:
         error=msg.error,
         created_at=msg.created_at,
         updated_at=msg.updated_at,
+        trace_id=msg.trace_id,
     )
 
 
@@ -95,4 +96,5 @@ def worker_info_from_status(msg: router_pb2.WorkerStatus) -> WorkerInfo:
         waiting=msg.waiting,
         updated_at=msg.updated_at,
         healthy=msg.healthy,
+        metrics_address=msg.metrics_address,
     )

@@ -134,6 +134,7 @@ def request_info_to_proto(record: RequestRecord) -> router_pb2.RequestInfo:
         error=record.error,
         created_at=record.created_at,
         updated_at=record.updated_at,
+        trace_id=record.trace_id,
     )
     info.usage.prompt_tokens = record.prompt_tokens
     info.usage.completion_tokens = record.completion_tokens
@@ -152,4 +153,5 @@ def worker_status_to_proto(worker: WorkerInfo) -> router_pb2.WorkerStatus:
         running=worker.running,
         waiting=worker.waiting,
         updated_at=worker.updated_at,
+        metrics_address=worker.metrics_address,
     )

@@ -1,0 +1,281 @@
+"""Traces: OpenTelemetry set up from the standard OTEL_* variables, and W3C trace context
+carried in gRPC metadata on every hop of a request.
+
+Tracing is on when OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is
+set and OTEL_SDK_DISABLED is not `true`. `configure` then installs a TracerProvider with
+a BatchSpanProcessor and an OTLP exporter (OTEL_EXPORTER_OTLP_PROTOCOL: `grpc`, the
+default, or `http/protobuf`). The SDK itself reads the rest: OTEL_TRACES_SAMPLER(_ARG),
+OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME, OTEL_BSP_*, OTEL_EXPORTER_OTLP_* (headers,
+timeouts, TLS). `service.name` defaults to the process's role: `pdserve-router`, ...
+
+Off, nothing is installed and nothing is exported: `start_span` hands back a span that
+records nothing without calling the SDK, channels get no interceptor, handlers attach no
+context. Callers build attributes only for a span that `is_recording()`.
+
+Context goes out in one place per direction: `client_interceptors` on the channels the
+router and the workers make (unary calls), `trace_carrier` where a call carries many
+requests (a Relay attach) or streams KV (PushKV's metadata, from the caller's thread);
+it comes in through `attach_incoming`, which `rpc.errors.rpc_errors` calls for every
+handler.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Callable, Iterator, Mapping
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
+
+TRACER_NAME = "pdserve"
+REQUEST_ID = "pdserve.request_id"  # on every span of a request: find its trace from its id
+ERROR_TYPE = "error.type"
+ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+
+
+def service_name(role: str) -> str:
+    """A process's `service.name` when OTEL_SERVICE_NAME does not set one."""
+    return f"pdserve-{role}"
+
+
+def _grpc_exporter():
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()
+
+
+def _http_exporter():
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter()
+
+
+# OTEL_EXPORTER_OTLP_PROTOCOL's values and their exporters (each reads its own variables).
+EXPORTERS: dict[str, Callable[[], object]] = {
+    "grpc": _grpc_exporter,
+    "http/protobuf": _http_exporter,
+}
+
+
+def tracing_requested() -> bool:
+    """Whether the OTEL_* variables ask for traces (an endpoint, and the SDK not disabled)."""
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    return any(os.environ.get(name) for name in ENDPOINT_VARIABLES)
+
+
+def provider_from_env(role: str):
+    """A TracerProvider exporting over OTLP as the OTEL_* variables say; None when they
+    do not ask for traces. Raises ValueError for a protocol pdserve does not speak."""
+    if not tracing_requested():
+        return None
+    from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
+        "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
+    )
+    exporter = EXPORTERS.get(protocol.strip())
+    if exporter is None:
+        raise ValueError(
+            f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: pdserve exports traces over "
+            + " or ".join(sorted(EXPORTERS))
+        )
+    # Attributes given to Resource.create win over the variables': name the role only
+    # where neither OTEL_SERVICE_NAME nor OTEL_RESOURCE_ATTRIBUTES names the service.
+    named = OTELResourceDetector().detect().attributes.get(SERVICE_NAME)
+    resource = Resource.create({} if named else {SERVICE_NAME: service_name(role)})
+    provider = TracerProvider(resource=resource)  # the sampler from OTEL_TRACES_SAMPLER
+    provider.add_span_processor(BatchSpanProcessor(exporter()))
+    return provider
+
+
+class _Tracing:
+    """The process's tracer while tracing is on. The SDK's provider is process-wide by
+    design; this holds what pdserve took from it, so that "off" costs one None check."""
+
+    tracer: trace.Tracer | None = None
+    interceptors: tuple[grpc.aio.ClientInterceptor, ...] = ()
+
+
+_state = _Tracing()
+
+
+def configure(role: str):
+    """Set up tracing for this process from the OTEL_* variables (once, at start-up);
+    returns the provider to `shutdown` at the end, or None when tracing is off."""
+    provider = provider_from_env(role)
+    if provider is not None:
+        trace.set_tracer_provider(provider)
+        install(provider)
+    return provider
+
+
+def install(provider: trace.TracerProvider) -> None:
+    """Trace through `provider` from now on (`configure`; tests give an in-memory one)."""
+    _state.tracer = provider.get_tracer(TRACER_NAME)
+    _state.interceptors = (_TraceContextInterceptor(),)
+
+
+def uninstall() -> None:
+    """Stop tracing: spans started from now on record nothing (tests)."""
+    _state.tracer, _state.interceptors = None, ()
+
+
+def shutdown(provider) -> None:
+    """Export what is still queued and stop (at the process's end); None: nothing to do."""
+    if provider is not None:
+        uninstall()
+        provider.shutdown()
+
+
+def enabled() -> bool:
+    return _state.tracer is not None
+
+
+# -- spans ------------------------------------------------------------------------------
+
+
+def start_span(
+    name: str,
+    request_id: str,
+    *,
+    kind: SpanKind = SpanKind.INTERNAL,
+    parent: otel_context.Context | None = None,
+) -> Span:
+    """A span of request `request_id`, child of `parent` (None: of the current span); the
+    caller ends it. With tracing off, a span that records nothing and costs nothing."""
+    tracer = _state.tracer
+    if tracer is None:
+        return INVALID_SPAN
+    return tracer.start_span(name, context=parent, kind=kind, attributes={REQUEST_ID: request_id})
+
+
+def span(
+    name: str, request_id: str, *, kind: SpanKind = SpanKind.INTERNAL
+) -> contextlib.AbstractContextManager[Span]:
+    """A span around a `with` block and current inside it, so that calls made there carry
+    it; an exception out of the block marks it failed (`set_error`). With tracing off, a
+    shared no-op: the block gets a span that records nothing."""
+    if _state.tracer is None:
+        return _NO_SPAN
+    return _current_span(name, request_id, kind)
+
+
+_NO_SPAN = contextlib.nullcontext(INVALID_SPAN)
+
+
+@contextlib.contextmanager
+def _current_span(name: str, request_id: str, kind: SpanKind) -> Iterator[Span]:
+    # A span the sampler dropped records nothing but still goes current: its context
+    # (sampled=0) must reach the next hop, or that hop would start traces of its own.
+    current = start_span(name, request_id, kind=kind)
+    with trace.use_span(
+        current, end_on_exit=True, record_exception=False, set_status_on_exception=False
+    ):
+        try:
+            yield current
+        except Exception as exc:
+            set_error(current, exc)
+            raise
+
+
+def kv_transfer_attributes(num_layers: int, num_chunks: int, num_bytes: int) -> dict[str, int]:
+    """A KV transfer span's counts, on either side: layers, KVChunk messages, payload bytes
+    (the KV alone: layers x 2 x blocks x block size x KV heads x head dim x dtype size)."""
+    return {
+        "pdserve.kv_transfer.layers": num_layers,
+        "pdserve.kv_transfer.chunks": num_chunks,
+        "pdserve.kv_transfer.bytes": num_bytes,
+    }
+
+
+def error_type(error: BaseException) -> str:
+    """`error.type` for an exception: a gRPC call's status code name, else the type's name."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.code().name
+    return type(error).__name__
+
+
+def set_error(target: Span, error: BaseException) -> None:
+    """Mark a span failed by `error`: status ERROR (with the message) and `error.type`."""
+    if target.is_recording():
+        target.set_status(Status(StatusCode.ERROR, str(error)))
+        target.set_attribute(ERROR_TYPE, error_type(error))
+
+
+def context_with(current: Span) -> contextvars.Context | None:
+    """A copy of the current context with `current` as its span, for a task's `context=`:
+    the task's calls then carry it. None (the default context) when tracing is off."""
+    if _state.tracer is None:
+        return None
+    copied = contextvars.copy_context()
+    copied.run(otel_context.attach, trace.set_span_in_context(current))
+    return copied
+
+
+# -- propagation --------------------------------------------------------------------------
+
+
+def trace_carrier() -> dict[str, str]:
+    """The current trace context as W3C headers (traceparent, tracestate); {} when there
+    is none. Goes in a RelayAttach, or as metadata on a call of another thread's loop."""
+    carrier: dict[str, str] = {}
+    if _state.tracer is not None:
+        propagate.inject(carrier)
+    return carrier
+
+
+def parent_from(carrier: Mapping[str, str]) -> otel_context.Context | None:
+    """The context a `trace_carrier` holds; None (the current context) when it is empty."""
+    if _state.tracer is None or not carrier:
+        return None
+    return propagate.extract(dict(carrier))  # a plain dict: a proto map has no `keys` view
+
+
+def attach_incoming(context: grpc.aio.ServicerContext) -> object | None:
+    """Make the caller's trace context (from the call's metadata) current for a handler;
+    returns the token for `detach`, None when tracing is off or the caller sent none."""
+    if _state.tracer is None:
+        return None
+    fields = propagate.get_global_textmap().fields
+    carrier = {
+        key: value
+        for key, value in context.invocation_metadata() or ()
+        if key in fields and isinstance(value, str)
+    }
+    if not carrier:
+        return None
+    return otel_context.attach(propagate.extract(carrier))
+
+
+def detach(token: object | None) -> None:
+    if token is not None:
+        otel_context.detach(token)
+
+
+class _TraceContextInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
+    """Adds the current trace context to every unary call's metadata.
+
+    Unary calls only: the streams pdserve opens carry many requests (Relay: each attach
+    has its own context) or must keep their flow control (PushKV: grpc.aio's interceptor
+    wrapper queues writes without bound), and get their context explicitly.
+    """
+
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
+        outgoing = trace_carrier()
+        if outgoing:
+            metadata = grpc.aio.Metadata(*(client_call_details.metadata or ()), *outgoing.items())
+            client_call_details = client_call_details._replace(metadata=metadata)
+        return await continuation(client_call_details, request)
+
+
+def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
+    """For every grpc.aio channel pdserve makes to another pdserve process: [] when off,
+    so that an untraced process's calls take gRPC's direct path."""
+    return list(_state.interceptors)
