@@ -8,7 +8,7 @@ when a worker refuses. Retrying a whole attempt is the session's (`router.sessio
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
@@ -18,7 +18,7 @@ from pdserve.core.errors import KVCapacityError, PreconditionError, UnavailableE
 from pdserve.core.workers import WorkerInfo
 from pdserve.router.discovery import Discovery
 from pdserve.router.dispatches import RecentDispatches
-from pdserve.router.handoff import DEFAULT_LEASE_TTL_S, Admission, Attempt, ChannelPool, HandOff
+from pdserve.router.handoff import Admission, Attempt, ChannelPool, HandOff
 from pdserve.router.policy import ColocationRule, DecodePolicy, PrefillPolicy, cached_prefix_blocks
 from pdserve.rpc.wire import is_final
 from pdserve.rpc.wire.router import prefill_response_to_delta
@@ -47,10 +47,12 @@ class AttemptEvents(Protocol):
 
 @dataclass(slots=True)
 class RunnerConfig:
-    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
-    max_attempts: int = 3  # per request, the first included (the session retries)
-    stream_interval: int = 1  # tokens per decode message (see decode.proto StreamRequest)
-    colocation: ColocationRule = field(default_factory=ColocationRule)
+    """What the runner takes of `RouterConfig`, which holds the defaults (none here)."""
+
+    lease_ttl_s: float
+    max_attempts: int  # per request, the first included (the session retries)
+    stream_interval: int  # tokens per decode message (see decode.proto StreamRequest)
+    colocation: ColocationRule
 
 
 @dataclass(frozen=True, slots=True)
