@@ -10,10 +10,12 @@ import enum
 import uuid
 from dataclasses import dataclass, field
 
+from pdserve.core.listen import check_bind, check_port
 from pdserve.router.handoff import DEFAULT_LEASE_TTL_S
 from pdserve.router.policy import DEFAULT_PREFILL_POLICY, PREFILL_POLICIES, ColocationRule
 from pdserve.telemetry.logs import LogConfig
 from pdserve.telemetry.metrics import MetricsConfig
+from pdserve.telemetry.request import served_model_name
 
 
 class DiscoveryKind(enum.StrEnum):
@@ -40,6 +42,21 @@ class RouterConfig:
     )
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=0, metadata={"help": "port to listen on (0: a free one, printed)"})
+    insecure: bool = field(
+        default=False,
+        metadata={"help": "serve plaintext gRPC on an address beyond loopback (no TLS)"},
+    )
+    http_port: int | None = field(
+        default=None,
+        metadata={"help": "also serve the OpenAI-compatible HTTP API on this port (0: a free one)"},
+    )
+    served_model_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "the model's name in the OpenAI and KServe APIs, metrics and spans",
+            "default_help": "the model directory's name",
+        },
+    )
     discovery: DiscoveryKind = field(
         default=DiscoveryKind.REDIS, metadata={"help": "where the router finds its workers"}
     )
@@ -114,8 +131,10 @@ class RouterConfig:
             raise ValueError(
                 f"prefill_policy must be one of {choices}, got {self.prefill_policy!r}"
             )
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        check_port("port", self.port)
+        if self.http_port is not None:
+            check_port("http_port", self.http_port)
+        check_bind(self.host, insecure=self.insecure)
         for name in ("max_inflight", "max_attempts", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -125,6 +144,11 @@ class RouterConfig:
             raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients ask for: --served-model-name, else the model directory's name."""
+        return self.served_model_name or served_model_name(self.model)
 
     @property
     def colocation(self) -> ColocationRule:

@@ -13,6 +13,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.cancel_bus import CancelBus
 from pdserve.router.config import DiscoveryKind, RouterConfig
 from pdserve.router.discovery import KubernetesDiscovery, RedisDiscovery, StaticDiscovery
+from pdserve.router.frontend import Frontend
 from pdserve.router.handoff import ChannelPool
 from pdserve.router.policy import MostFreeDecode, make_prefill_policy
 from pdserve.router.runner import RequestRunner, RunnerConfig
@@ -24,7 +25,6 @@ from pdserve.state.registry import WorkerRegistry
 from pdserve.state.requests import RequestStore
 from pdserve.telemetry import metrics, tracing
 from pdserve.telemetry.metrics import ROUTER_ROLE, ProcessLabels, ProcessMetrics
-from pdserve.telemetry.request import served_model_name
 
 __all__ = ["RouterConfig", "main", "serve"]
 log = logging.getLogger(__name__)
@@ -62,7 +62,13 @@ class RouterApp:
                 colocation=config.colocation,
             ),
         )
-        self.servicer = _servicer(config, self.runner, self.store, self.discovery)
+        self.frontend = _frontend(config, self.runner, self.store)
+        self.servicer = RouterServicer(
+            self.frontend,
+            discovery=self.discovery,
+            model_dir=config.model,
+            fingerprint=_fingerprint(config.model),
+        )
         self.metrics: ProcessMetrics | None = None  # once started, with --metrics-port
 
     @property
@@ -72,9 +78,9 @@ class RouterApp:
     async def start(self, port: int) -> dict[str, object]:
         await self.store.start()
         await self.discovery.start()
-        await self.servicer.cancel_bus.start(self.servicer.cancel_local)
+        await self.frontend.cancel_bus.start(self.frontend.cancel_local)
         config = self.config
-        labels = ProcessLabels(served_model_name(config.model), ROUTER_ROLE, config.router_id)
+        labels = ProcessLabels(config.model_name, ROUTER_ROLE, config.router_id)
         self.metrics = metrics.serve(labels, config.host, config.metrics)
         if self.metrics is None:
             return {"id": config.router_id}
@@ -87,32 +93,33 @@ class RouterApp:
     async def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
-        await self.servicer.cancel_bus.close()
+        await self.frontend.cancel_bus.close()
         await self.discovery.stop()
         await self.runner.close()
         await self.channels.close()
         await self.store.close()
 
 
-def _servicer(config: RouterConfig, runner, store, discovery) -> RouterServicer:
+def _frontend(config: RouterConfig, runner, store) -> Frontend:
     model_config = ModelConfig.from_dir(config.model)
-    try:
-        fingerprint = model_fingerprint(config.model)
-    except (ModelLoadError, OSError):  # a router may hold only the tokenizer and config
-        fingerprint = ""
-    return RouterServicer(
-        model_dir=config.model,
+    return Frontend(
+        model_name=config.model_name,
         tokenizer=Tokenizer.from_dir(config.model),
         model_config=model_config,
-        fingerprint=fingerprint,
         max_model_len=model_config.max_position_embeddings,
         runner=runner,
         store=store,
-        discovery=discovery,
         cancel_bus=CancelBus(config.redis_url),
         router_id=config.router_id,
         max_inflight=config.max_inflight,
     )
+
+
+def _fingerprint(model_dir: str) -> str:
+    try:
+        return model_fingerprint(model_dir)
+    except (ModelLoadError, OSError):  # a router may hold only the tokenizer and config
+        return ""
 
 
 async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from pdserve.core.listen import check_bind, check_port
 from pdserve.core.workers import ROLES
 from pdserve.engine.config import EngineConfig
 from pdserve.kv.transfer import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_NUM_STREAMS
@@ -32,6 +33,10 @@ class WorkerConfig:
     engine: EngineConfig  # the model, device, dtype, KV blocks and batching
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=0, metadata={"help": "port to listen on (0: a free one, printed)"})
+    insecure: bool = field(
+        default=False,
+        metadata={"help": "serve plaintext gRPC on an address beyond loopback (no TLS)"},
+    )
     threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"}
     )
@@ -69,8 +74,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        check_port("port", self.port)
+        check_bind(self.host, insecure=self.insecure)
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.lease_ttl_s <= 0:
