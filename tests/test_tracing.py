@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import INVALID_SPAN, SpanKind, StatusCode, format_span_id, format_trace_id
 
 from pdserve.api.v1 import router_pb2, router_pb2_grpc
+from pdserve.client import AsyncClient
 from pdserve.cluster.processes import service_env
 from pdserve.core.block_hash import num_blocks_for
 from pdserve.core.model_config import ModelConfig
@@ -165,18 +166,23 @@ def tracer_provider(catcher):
 
 
 @pytest.fixture(scope="module")
-def router(tracer_provider, demo_model_dir, redis_url):
+def servers(tracer_provider, demo_model_dir, redis_url):
     with pytest.MonkeyPatch.context() as env:
         for name in OTEL_VARIABLES:  # the servers' own set-up must leave the test's in place
             env.delenv(name, raising=False)
-        servers = ServersThread(demo_model_dir, redis_url).start()
+        running = ServersThread(demo_model_dir, redis_url).start()
         try:
-            with grpc.insecure_channel(servers.router) as channel:
-                stub = router_pb2_grpc.RouterStub(channel)
-                wait_for_workers(stub)
-                yield stub
+            yield running
         finally:
-            servers.stop()
+            running.stop()
+
+
+@pytest.fixture(scope="module")
+def router(servers):
+    with grpc.insecure_channel(servers.router) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        wait_for_workers(stub)
+        yield stub
 
 
 def generate(stub, request_id: str, metadata=()) -> list[router_pb2.GenerateResponse]:
@@ -312,6 +318,20 @@ def test_without_a_traceparent_the_router_starts_the_trace(router, catcher):
     assert {s.attributes["pdserve.request_id"] for s in spans} == {"untraced-1"}
 
 
+def test_the_python_client_sends_its_callers_trace_context(servers, router, catcher):
+    async def call_inside_a_span() -> str:
+        app_tracer = TracerProvider().get_tracer("app")  # the application's own SDK
+        with app_tracer.start_as_current_span("app work") as app_span:
+            async with AsyncClient(servers.router) as client:
+                await client.generate(PROMPT, SAMPLING, request_id="client-traced-1")
+        return format(app_span.get_span_context().span_id, "016x")
+
+    app_span_id = asyncio.run(call_inside_a_span())
+    info = router.GetRequest(router_pb2.GetRequestRequest(request_id="client-traced-1"))
+    root = one(catcher.trace(info.trace_id, TREE), REQUEST_SPAN)
+    assert parent_of(root) == app_span_id
+
+
 def test_a_failed_request_marks_its_spans_failed_with_the_error_type(router, catcher):
     # more KV than the decode worker has (64 blocks): its Admit refuses the request
     too_long = SamplingParams(temperature=0.0, max_tokens=1100, ignore_eos=True)
@@ -425,7 +445,7 @@ def test_off_nothing_is_installed_and_spans_cost_nothing(tracer_provider):
     try:
         assert not tracing.enabled()
         assert tracing.start_span("decode", "r") is INVALID_SPAN
-        assert tracing.client_interceptors() == []
+        assert tracing.outgoing_metadata() is None
         assert tracing.trace_carrier() == {}
         assert tracing.context_with(INVALID_SPAN) is None
     finally:

@@ -25,6 +25,7 @@ from typing import Concatenate, ParamSpec, TypeVar
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from opentelemetry import propagate
 
 from pdserve.api.v1 import router_pb2, router_pb2_grpc
 from pdserve.core.responses import Chunk, Completion, ModelInfo, RequestInfo, Usage
@@ -55,6 +56,14 @@ P = ParamSpec("P")
 T = TypeVar("T")
 # how long an interrupted call may take to cancel before the interrupt goes on anyway
 CANCEL_WAIT_S = 5.0
+
+
+def _trace_metadata() -> tuple[tuple[str, str], ...] | None:
+    """The calling application's trace context (its own OpenTelemetry SDK's current span),
+    as W3C headers: the router makes the request a child of it. None outside any span."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple(carrier.items()) or None
 
 
 class PdserveError(Exception):
@@ -142,7 +151,8 @@ class AsyncClient:
             prompt, params, request_id=request_id, resume_from=resume_from, stream=False
         )
         with _rpc_errors():
-            messages = [m async for m in self._stub.Generate(request, timeout=self.timeout)]
+            call = self._stub.Generate(request, timeout=self.timeout, metadata=_trace_metadata())
+            messages = [m async for m in call]
         return Completion.from_chunks([chunk_from_proto(m) for m in messages])
 
     async def stream(
@@ -157,7 +167,7 @@ class AsyncClient:
         request = generate_request_to_proto(
             prompt, params, request_id=request_id, resume_from=resume_from, stream=True
         )
-        call = self._stub.Generate(request, timeout=self.timeout)
+        call = self._stub.Generate(request, timeout=self.timeout, metadata=_trace_metadata())
         try:
             with _rpc_errors():
                 async for message in call:

@@ -6,6 +6,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from pdserve.core.protocol import PROTOCOL_VERSION, UNVERSIONED
+
 ROLES = ("prefill", "decode", "both")
 # a prefix cache can hold far more blocks than a router needs to route by: the newest
 # blocks are the likeliest to be hit again, and 4096 hex hashes are ~140 KB of JSON
@@ -32,6 +34,7 @@ class WorkerInfo:
     updated_at: float = 0.0  # unix seconds, by the clock of whoever measured the load
     healthy: bool = True
     metrics_address: str = ""  # host:port of its GET /metrics; "": it serves none
+    protocol_version: int = PROTOCOL_VERSION  # what it speaks (core/protocol.py)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -49,5 +52,6 @@ class WorkerInfo:
         """Decode `to_json`'s output; fields this version does not know are ignored, so
         workers and routers of neighbouring versions can share a registry."""
         fields = json.loads(data)
+        fields.setdefault("protocol_version", UNVERSIONED)  # a worker older than the field
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{name: value for name, value in fields.items() if name in known})

@@ -78,9 +78,7 @@ class ChannelPool:
     def get(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(
-                address, options=self._options, interceptors=tracing.client_interceptors()
-            )
+            channel = grpc.aio.insecure_channel(address, options=self._options)
             self._channels[address] = channel
         return channel
 
@@ -121,7 +119,10 @@ class HandOff:
         )
         with tracing.span("admit", attempt.request_id, kind=SpanKind.CLIENT) as span:
             span.set_attribute("pdserve.worker", decode_address)
-            admitting = asyncio.ensure_future(stub.Admit(request, timeout=attempt.time_left()))
+            admit = stub.Admit(
+                request, timeout=attempt.time_left(), metadata=tracing.outgoing_metadata()
+            )
+            admitting = asyncio.ensure_future(admit)
             try:
                 lease = await asyncio.shield(admitting)
             except asyncio.CancelledError:
@@ -159,7 +160,9 @@ class HandOff:
         )
         with tracing.span("prefill", attempt.request_id, kind=SpanKind.CLIENT) as span:
             span.set_attribute("pdserve.worker", prefill_address)
-            return await stub.Prefill(request, timeout=attempt.time_left())
+            return await stub.Prefill(
+                request, timeout=attempt.time_left(), metadata=tracing.outgoing_metadata()
+            )
 
     def colocated(self, address: str, attempt: Attempt) -> RelayStream:
         """Prefill and decode on one worker, no KV transfer: every token on the stream."""
@@ -218,6 +221,7 @@ class HandOff:
         release = stub.Release(
             decode_pb2.ReleaseRequest(lease_id=admitting.result().lease_id),
             timeout=RELEASE_TIMEOUT_S,
+            metadata=tracing.outgoing_metadata(),
         )
         task = asyncio.ensure_future(release)
         self._releases.add(task)

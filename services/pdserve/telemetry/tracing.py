@@ -12,9 +12,9 @@ Off, nothing is installed and nothing is exported: `start_span` hands back a spa
 records nothing without calling the SDK, channels get no interceptor, handlers attach no
 context. Callers build attributes only for a span that `is_recording()`.
 
-Context goes out in one place per direction: `client_interceptors` on the channels the
-router and the workers make (unary calls), `trace_carrier` where a call carries many
-requests (a Relay attach) or streams KV (PushKV's metadata, from the caller's thread);
+Context goes out in one place per direction: `outgoing_metadata` on each unary call of a
+request, `trace_carrier` where a call carries many requests (a Relay attach) or streams
+KV (PushKV's metadata, from the caller's thread);
 it comes in through `attach_incoming`, which `rpc.errors.rpc_errors` calls for every
 handler.
 """
@@ -100,7 +100,6 @@ class _Tracing:
     design; this holds what pdserve took from it, so that "off" costs one None check."""
 
     tracer: trace.Tracer | None = None
-    interceptors: tuple[grpc.aio.ClientInterceptor, ...] = ()
 
 
 _state = _Tracing()
@@ -119,12 +118,11 @@ def configure(role: str):
 def install(provider: trace.TracerProvider) -> None:
     """Trace through `provider` from now on (`configure`; tests give an in-memory one)."""
     _state.tracer = provider.get_tracer(TRACER_NAME)
-    _state.interceptors = (_TraceContextInterceptor(),)
 
 
 def uninstall() -> None:
     """Stop tracing: spans started from now on record nothing (tests)."""
-    _state.tracer, _state.interceptors = None, ()
+    _state.tracer = None
 
 
 def shutdown(provider) -> None:
@@ -259,23 +257,13 @@ def detach(token: object | None) -> None:
         otel_context.detach(token)
 
 
-class _TraceContextInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
-    """Adds the current trace context to every unary call's metadata.
+def outgoing_metadata() -> tuple[tuple[str, str], ...] | None:
+    """The current trace context as a call's `metadata=`: None (no metadata) when off.
 
-    Unary calls only: the streams pdserve opens carry many requests (Relay: each attach
-    has its own context) or must keep their flow control (PushKV: grpc.aio's interceptor
-    wrapper queues writes without bound), and get their context explicitly.
+    Passed explicitly on each call that belongs to a request (Admit, Prefill, CommitKV,
+    RenewLease, Release) rather than by a channel interceptor: grpc.aio's interceptor
+    wrapper costs every call, and on streams would queue writes without bound.
     """
-
-    async def intercept_unary_unary(self, continuation, client_call_details, request):
-        outgoing = trace_carrier()
-        if outgoing:
-            metadata = grpc.aio.Metadata(*(client_call_details.metadata or ()), *outgoing.items())
-            client_call_details = client_call_details._replace(metadata=metadata)
-        return await continuation(client_call_details, request)
-
-
-def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
-    """For every grpc.aio channel pdserve makes to another pdserve process: [] when off,
-    so that an untraced process's calls take gRPC's direct path."""
-    return list(_state.interceptors)
+    if _state.tracer is None:
+        return None
+    return tuple(trace_carrier().items()) or None

@@ -13,6 +13,7 @@ from opentelemetry.trace import Span, SpanKind
 from pdserve.api.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
 from pdserve.core.errors import PreconditionError
 from pdserve.core.kv_chunk import KVLayerChunk
+from pdserve.core.protocol import PROTOCOL_VERSION, check_peer
 from pdserve.kv.lease import Lease
 from pdserve.kv.transfer import receive_push
 from pdserve.rpc.errors import rpc_errors, status_code
@@ -116,6 +117,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
 
     @rpc_errors
     async def Handshake(self, request, context):
+        check_peer(request.protocol_version, f"prefill worker {request.sender or '?'}")
         ours, theirs = self.worker.layout, request.layout
         mismatched = [
             f"{f.name} (theirs {getattr(theirs, f.name)!r}, ours {getattr(ours, f.name)!r})"
@@ -124,7 +126,9 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
         ]
         if mismatched:
             raise PreconditionError("KV layout mismatch: " + "; ".join(mismatched))
-        return kv_transfer_pb2.HandshakeResponse(layout=ours, receiver=self.worker.config.worker_id)
+        return kv_transfer_pb2.HandshakeResponse(
+            layout=ours, receiver=self.worker.config.worker_id, protocol_version=PROTOCOL_VERSION
+        )
 
     @rpc_errors
     async def PushKV(self, request_iterator, context):

@@ -20,6 +20,7 @@ from pdserve.api.v1 import (
     prefill_pb2_grpc,
 )
 from pdserve.core.errors import InvalidRequestError, PreconditionError
+from pdserve.core.protocol import PROTOCOL_VERSION, check_peer
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.outputs import RequestOutput
 from pdserve.kv.transfer import KVPusher, KVPushError, PushTotals, channel_options
@@ -44,9 +45,8 @@ class _DecodePeer:
 
     def __init__(self, address: str, worker: Worker):
         options = channel_options(worker.config.max_message_bytes)
-        self.channel = grpc.aio.insecure_channel(
-            address, options=options, interceptors=tracing.client_interceptors()
-        )
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=options)
         self.kv = kv_transfer_pb2_grpc.KVTransferStub(self.channel)
         self.decode = decode_pb2_grpc.DecodeStub(self.channel)
         self.pusher = KVPusher(
@@ -61,14 +61,17 @@ class _DecodePeer:
         if self.verified:
             return
         request = kv_transfer_pb2.HandshakeRequest(
-            layout=worker.layout, sender=worker.config.worker_id
+            layout=worker.layout,
+            sender=worker.config.worker_id,
+            protocol_version=PROTOCOL_VERSION,
         )
         try:
-            await self.kv.Handshake(request, timeout=10)
+            reply = await self.kv.Handshake(request, timeout=10)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise PreconditionError(exc.details()) from exc
             raise
+        check_peer(reply.protocol_version, f"decode worker {reply.receiver or self.address}")
         self.verified = True
 
     async def close(self) -> None:
@@ -89,7 +92,9 @@ async def keep_lease_open(kv: kv_transfer_pb2_grpc.KVTransferStub, lease_id: str
     while True:
         try:
             reply = await kv.RenewLease(
-                kv_transfer_pb2.RenewLeaseRequest(lease_id=lease_id), timeout=RENEW_TIMEOUT_S
+                kv_transfer_pb2.RenewLeaseRequest(lease_id=lease_id),
+                timeout=RENEW_TIMEOUT_S,
+                metadata=tracing.outgoing_metadata(),
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNAVAILABLE:
@@ -255,6 +260,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     first_token_id=first.token_ids[0],
                 ),
                 timeout=self.worker.config.lease_ttl_s,
+                metadata=tracing.outgoing_metadata(),
             )
         except Exception as exc:
             log.warning("KV hand-off for %s failed: %s", first.request_id, exc)
@@ -267,7 +273,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if push is not None:
             await _push_ended(push)
         try:
-            await peer.decode.Release(decode_pb2.ReleaseRequest(lease_id=lease_id), timeout=5)
+            await peer.decode.Release(
+                decode_pb2.ReleaseRequest(lease_id=lease_id),
+                timeout=5,
+                metadata=tracing.outgoing_metadata(),
+            )
         except grpc.aio.AioRpcError as exc:
             log.warning("could not release lease: %s", exc.details())
 

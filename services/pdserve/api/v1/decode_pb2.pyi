@@ -85,7 +85,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "free_blocks", "total_blocks", "running", "waiting", "open_leases", "block_size")
+    __slots__ = ("role", "free_blocks", "total_blocks", "running", "waiting", "open_leases", "block_size", "protocol_version")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class WorkerLoad(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     OPEN_LEASES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     role: str
     free_blocks: int
     total_blocks: int
@@ -100,7 +101,8 @@ class WorkerLoad(_message.Message):
     waiting: int
     open_leases: int
     block_size: int
-    def __init__(self, role: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., open_leases: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, role: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., open_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class RelayCommand(_message.Message):
     __slots__ = ("attach", "detach")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.api.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/v1/kv_transfer.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x94\x01\n\x08KVLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x0e\n\x06layout\x18\x07 \x01(\t\"H\n\x10HandshakeRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0e\n\x06sender\x18\x02 \x01(\t\"K\n\x11HandshakeResponse\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x10\n\x08receiver\x18\x02 \x01(\t\"z\n\x07KVChunk\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x05\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\r\"-\n\x0cPushKVResult\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\x05\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"w\n\x0f\x43ommitKVRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12:\n\x14\x66irst_token_logprobs\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.PositionLogprobs\"\x12\n\x10\x43ommitKVResponse\"%\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\">\n\x12RenewLeaseResponse\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x01 \x01(\x03\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r2\xa5\x02\n\nKVTransfer\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12\x39\n\x06PushKV\x12\x13.pdserve.v1.KVChunk\x1a\x18.pdserve.v1.PushKVResult(\x01\x12\x45\n\x08\x43ommitKV\x12\x1b.pdserve.v1.CommitKVRequest\x1a\x1c.pdserve.v1.CommitKVResponse\x12K\n\nRenewLease\x12\x1d.pdserve.v1.RenewLeaseRequest\x1a\x1e.pdserve.v1.RenewLeaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdserve/v1/kv_transfer.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\x94\x01\n\x08KVLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\x05\x12\x10\n\x08head_dim\x18\x06 \x01(\x05\x12\x0e\n\x06layout\x18\x07 \x01(\t\"b\n\x10HandshakeRequest\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x0e\n\x06sender\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\"e\n\x11HandshakeResponse\x12$\n\x06layout\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x10\n\x08receiver\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\"z\n\x07KVChunk\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\x13\n\x0b\x66irst_block\x18\x03 \x01(\x05\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x05\x12\x0c\n\x04\x64\x61ta\x18\x06 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\r\"-\n\x0cPushKVResult\x12\x0e\n\x06\x63hunks\x18\x01 \x01(\x05\x12\r\n\x05\x62ytes\x18\x02 \x01(\x03\"w\n\x0f\x43ommitKVRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12:\n\x14\x66irst_token_logprobs\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.PositionLogprobs\"\x12\n\x10\x43ommitKVResponse\"%\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\">\n\x12RenewLeaseResponse\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x01 \x01(\x03\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\r2\xa5\x02\n\nKVTransfer\x12H\n\tHandshake\x12\x1c.pdserve.v1.HandshakeRequest\x1a\x1d.pdserve.v1.HandshakeResponse\x12\x39\n\x06PushKV\x12\x13.pdserve.v1.KVChunk\x1a\x18.pdserve.v1.PushKVResult(\x01\x12\x45\n\x08\x43ommitKV\x12\x1b.pdserve.v1.CommitKVRequest\x1a\x1c.pdserve.v1.CommitKVResponse\x12K\n\nRenewLease\x12\x1d.pdserve.v1.RenewLeaseRequest\x1a\x1e.pdserve.v1.RenewLeaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,21 +35,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVLAYOUT']._serialized_start=70
   _globals['_KVLAYOUT']._serialized_end=218
   _globals['_HANDSHAKEREQUEST']._serialized_start=220
-  _globals['_HANDSHAKEREQUEST']._serialized_end=292
-  _globals['_HANDSHAKERESPONSE']._serialized_start=294
-  _globals['_HANDSHAKERESPONSE']._serialized_end=369
-  _globals['_KVCHUNK']._serialized_start=371
-  _globals['_KVCHUNK']._serialized_end=493
-  _globals['_PUSHKVRESULT']._serialized_start=495
-  _globals['_PUSHKVRESULT']._serialized_end=540
-  _globals['_COMMITKVREQUEST']._serialized_start=542
-  _globals['_COMMITKVREQUEST']._serialized_end=661
-  _globals['_COMMITKVRESPONSE']._serialized_start=663
-  _globals['_COMMITKVRESPONSE']._serialized_end=681
-  _globals['_RENEWLEASEREQUEST']._serialized_start=683
-  _globals['_RENEWLEASEREQUEST']._serialized_end=720
-  _globals['_RENEWLEASERESPONSE']._serialized_start=722
-  _globals['_RENEWLEASERESPONSE']._serialized_end=784
-  _globals['_KVTRANSFER']._serialized_start=787
-  _globals['_KVTRANSFER']._serialized_end=1080
+  _globals['_HANDSHAKEREQUEST']._serialized_end=318
+  _globals['_HANDSHAKERESPONSE']._serialized_start=320
+  _globals['_HANDSHAKERESPONSE']._serialized_end=421
+  _globals['_KVCHUNK']._serialized_start=423
+  _globals['_KVCHUNK']._serialized_end=545
+  _globals['_PUSHKVRESULT']._serialized_start=547
+  _globals['_PUSHKVRESULT']._serialized_end=592
+  _globals['_COMMITKVREQUEST']._serialized_start=594
+  _globals['_COMMITKVREQUEST']._serialized_end=713
+  _globals['_COMMITKVRESPONSE']._serialized_start=715
+  _globals['_COMMITKVRESPONSE']._serialized_end=733
+  _globals['_RENEWLEASEREQUEST']._serialized_start=735
+  _globals['_RENEWLEASEREQUEST']._serialized_end=772
+  _globals['_RENEWLEASERESPONSE']._serialized_start=774
+  _globals['_RENEWLEASERESPONSE']._serialized_end=836
+  _globals['_KVTRANSFER']._serialized_start=839
+  _globals['_KVTRANSFER']._serialized_end=1132
 # @@protoc_insertion_point(module_scope)

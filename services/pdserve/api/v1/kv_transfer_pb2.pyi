@@ -26,20 +26,24 @@ class KVLayout(_message.Message):
     def __init__(self, model_fingerprint: _Optional[str] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., layout: _Optional[str] = ...) -> None: ...
 
 class HandshakeRequest(_message.Message):
-    __slots__ = ("layout", "sender")
+    __slots__ = ("layout", "sender", "protocol_version")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     SENDER_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     sender: str
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., sender: _Optional[str] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., sender: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class HandshakeResponse(_message.Message):
-    __slots__ = ("layout", "receiver")
+    __slots__ = ("layout", "receiver", "protocol_version")
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     RECEIVER_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     layout: KVLayout
     receiver: str
-    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., receiver: _Optional[str] = ...) -> None: ...
+    protocol_version: int
+    def __init__(self, layout: _Optional[_Union[KVLayout, _Mapping]] = ..., receiver: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("lease_id", "layer", "first_block", "dtype", "shape", "data", "crc32")

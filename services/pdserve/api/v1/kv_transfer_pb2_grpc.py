@@ -61,7 +61,8 @@ class KVTransferServicer:
 
     def Handshake(self, request, context):
         """First contact: both sides must run the same model, block size, dtype and KV
-        layout. A mismatch is FAILED_PRECONDITION, never corrupt output.
+        layout, and compatible protocol versions. A mismatch is FAILED_PRECONDITION,
+        never corrupt output.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

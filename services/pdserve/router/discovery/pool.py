@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol
 
+from pdserve.core.protocol import IncompatiblePeerError, check_peer
 from pdserve.core.workers import WorkerInfo
+
+log = logging.getLogger(__name__)
 
 PHASES = ("prefill", "decode")
 
@@ -40,10 +44,11 @@ class WorkerPool:
     def __init__(self) -> None:
         self._workers: dict[str, WorkerInfo] = {}
         self._suspects: dict[str, float] = {}  # address -> threshold on updated_at
+        self._refused: set[str] = set()  # workers left out for their protocol version
 
     def replace(self, workers: Iterable[WorkerInfo]) -> None:
         latest: dict[str, WorkerInfo] = {}
-        for worker in workers:
+        for worker in _compatible(workers, self._refused):
             # a restarted worker may briefly be listed twice (old id not yet expired)
             known = latest.get(worker.address)
             if known is None or worker.updated_at > known.updated_at:
@@ -70,6 +75,21 @@ class WorkerPool:
 
     def mark_unhealthy(self, address: str, threshold: float) -> None:
         self._suspects[address] = threshold
+
+
+def _compatible(workers: Iterable[WorkerInfo], refused: set[str]) -> Iterable[WorkerInfo]:
+    """The workers whose protocol version this router works with; a warning, once per
+    worker, for each left out (a rolling upgrade gone more than one release apart)."""
+    for worker in workers:
+        try:
+            check_peer(worker.protocol_version, f"worker {worker.worker_id} ({worker.address})")
+        except IncompatiblePeerError as exc:
+            if worker.address not in refused:
+                refused.add(worker.address)
+                log.warning("not routing to it: %s", exc)
+            continue
+        refused.discard(worker.address)
+        yield worker
 
 
 def merge_roles(pools: Iterable[tuple[str, Iterable[str]]]) -> dict[str, str]:

@@ -31,6 +31,7 @@ def worker_info_from_load(
         waiting=load.waiting,
         open_leases=load.open_leases,
         updated_at=updated_at,
+        protocol_version=load.protocol_version,
     )
     if load.block_size:  # 0: a worker older than the field, so WorkerInfo's default stands
         fields["block_size"] = load.block_size

@@ -94,6 +94,7 @@ def worker_load_to_proto(info: WorkerInfo) -> decode_pb2.WorkerLoad:
         waiting=info.waiting,
         open_leases=info.open_leases,
         block_size=info.block_size,
+        protocol_version=info.protocol_version,
     )
 
 
