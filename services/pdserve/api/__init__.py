@@ -1,1 +1,2 @@
-"""Generated gRPC stubs (pdserve.v1). Regenerate with `make protos`."""
+"""Generated gRPC stubs: `v1` (pdserve.v1, our own API) and `inference` (KServe v2).
+Regenerate with `make protos`."""

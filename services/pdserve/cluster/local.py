@@ -80,6 +80,9 @@ class LocalCluster:
     with_router: bool = True
     # every process serves GET /metrics on a free port (its ready line says which)
     metrics: bool = False
+    # the router's OpenAI-compatible HTTP API on this port (0: a free one); None: off
+    http_port: int | None = None
+    served_model_name: str | None = None  # the model's name in that API; None: its directory's
     on_progress: Callable[[str], None] = lambda message: None
     children: list[ChildProcess] = field(default_factory=list)
     router: ChildProcess | None = None
@@ -88,6 +91,12 @@ class LocalCluster:
     @property
     def router_address(self) -> str:
         return self.router.address
+
+    @property
+    def openai_url(self) -> str | None:
+        """The router's OpenAI API base URL (`http://host:port/v1`), if it serves one."""
+        address = self.router.http_address if self.router is not None else None
+        return None if address is None else f"http://{address}/v1"
 
     def start(self) -> LocalCluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -121,6 +130,8 @@ class LocalCluster:
             self.router_args,
             port=self.router_port,
             metrics_port=self._metrics_port,
+            http_port=self.http_port,
+            served_model_name=self.served_model_name,
         )
         self.router = spawn("router", args, str(self.run_dir), env=service_env("router"))
         self.children.append(self.router)

@@ -49,6 +49,11 @@ class ChildProcess:
         """host:port of its GET /metrics, if it serves one (`--metrics-port`)."""
         return self.fields.get("metrics")
 
+    @property
+    def http_address(self) -> str | None:
+        """host:port of a router's OpenAI-compatible HTTP API, if it serves one."""
+        return self.fields.get("http")
+
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM (graceful drain), then SIGKILL after timeout_s; the exit code."""
         if self.proc.poll() is None:

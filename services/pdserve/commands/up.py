@@ -29,6 +29,18 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         help="colocated workers (prefill and decode on one engine)",
     )
     cmd.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT, help="router port")
+    cmd.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="the router also serves the OpenAI-compatible HTTP API on this port (0: a free "
+        "one; default: off)",
+    )
+    cmd.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the OpenAI API, metrics and spans (default: its directory's)",
+    )
     cmd.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     cmd.add_argument("--run-dir", help="where logs go (default: runs/<timestamp>)")
     cmd.add_argument(
@@ -75,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         router_port=args.port,
         worker_args=args.worker_arg,
         metrics=True,
+        http_port=args.http_port,
+        served_model_name=args.served_model_name,
         on_progress=lambda m: console.print(f"  [dim]•[/dim] {m}"),
     )
     console.print(f"pdserve up: {shape} on {model}; logs in {run_dir}")
@@ -86,9 +100,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         console.print(f"[green]ready[/green]: router at [bold]{cluster.router_address}[/bold]")
-        for line in metrics_lines(cluster):
+        for line in metrics_lines(cluster) + api_lines(cluster):
             console.print(line, highlight=False)
         console.print(f'  try: pdserve generate --router {cluster.router_address} "Hello there"')
+        if cluster.openai_url is not None:
+            console.print(f"   or: curl {cluster.openai_url}/models", highlight=False)
         console.print("  Ctrl-C stops everything.")
         stop.wait()
     finally:
@@ -105,6 +121,11 @@ def metrics_lines(cluster: LocalCluster) -> list[str]:
         for child in cluster.children
         if child.metrics_address
     ]
+
+
+def api_lines(cluster: LocalCluster) -> list[str]:
+    """`openai URL`: the base URL of the router's OpenAI-compatible API, if it serves one."""
+    return [] if cluster.openai_url is None else [f"openai {cluster.openai_url}"]
 
 
 def ensure_demo_model(console: Console) -> Path:

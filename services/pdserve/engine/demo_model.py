@@ -197,6 +197,17 @@ def _size(size: str) -> DemoSize:
     return SIZES[size]
 
 
+# A chat template in the Zephyr style, so that the demo model serves chat completions:
+# `<s><|role|>\ncontent</s>\n` per message, then `<|assistant|>\n` for the reply.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\\n' }}{{ message['content'] }}{{ eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
 def _tokenizer_config() -> dict:
     # PreTrainedTokenizerFast makes transformers use tokenizer.json exactly as written
     return {
@@ -206,6 +217,7 @@ def _tokenizer_config() -> dict:
         "unk_token": UNK_TOKEN,
         "model_max_length": MAX_POSITION_EMBEDDINGS,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
 
 

@@ -52,7 +52,7 @@ class Tokenizer:
         model_dir = Path(model_dir)
         backend = _load_backend(model_dir / TOKENIZER_FILE)
         configs = {
-            name: _read_json(model_dir / name)
+            name: read_json_object(model_dir / name)
             for name in (TOKENIZER_CONFIG_FILE, GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE)
         }
         return cls(
@@ -74,8 +74,10 @@ class Tokenizer:
     def bos_token_id(self) -> int | None:
         return self._bos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Without `add_special_tokens`, only what the text says (a rendered chat prompt
+        already holds its BOS): as `transformers`' `apply_chat_template` tokenizes."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Ids the tokenizer does not know (a padded model vocabulary) decode to nothing."""
@@ -123,7 +125,7 @@ def _bos_token_id(
     return None
 
 
-def _read_json(path: Path) -> dict:
+def read_json_object(path: Path) -> dict:
     """An optional JSON object file: {} when absent, ModelLoadError when malformed."""
     if not path.is_file():
         return {}

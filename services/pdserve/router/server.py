@@ -10,6 +10,8 @@ from pdserve.core.checkpoint import model_fingerprint
 from pdserve.core.errors import ModelLoadError
 from pdserve.core.model_config import ModelConfig
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateways import kserve
+from pdserve.gateways import openai as openai_gateway
 from pdserve.router.cancel_bus import CancelBus
 from pdserve.router.config import DiscoveryKind, RouterConfig
 from pdserve.router.discovery import KubernetesDiscovery, RedisDiscovery, StaticDiscovery
@@ -60,20 +62,22 @@ class RouterApp:
                 max_attempts=config.max_attempts,
                 stream_interval=config.stream_interval,
                 colocation=config.colocation,
+                stream_progress_timeout_s=config.stream_progress_timeout_s,
             ),
         )
         self.frontend = _frontend(config, self.runner, self.store)
         self.servicer = RouterServicer(
             self.frontend,
             discovery=self.discovery,
-            model_dir=config.model,
             fingerprint=_fingerprint(config.model),
         )
+        self.kserve = kserve.KServeServicer(self.frontend, discovery=self.discovery)
         self.metrics: ProcessMetrics | None = None  # once started, with --metrics-port
+        self.http: openai_gateway.HttpServer | None = None  # once started, with --http-port
 
     @property
     def services(self) -> list[Service]:
-        return [Service(self.servicer, ROUTER_SERVICE)]
+        return [Service(self.servicer, ROUTER_SERVICE), Service(self.kserve, kserve.SERVICE)]
 
     async def start(self, port: int) -> dict[str, object]:
         await self.store.start()
@@ -82,15 +86,31 @@ class RouterApp:
         config = self.config
         labels = ProcessLabels(config.model_name, ROUTER_ROLE, config.router_id)
         self.metrics = metrics.serve(labels, config.host, config.metrics)
-        if self.metrics is None:
-            return {"id": config.router_id}
-        self.metrics.watch_relays(self.runner.handoff.relays)
-        return {"id": config.router_id, "metrics": self.metrics.address}
+        fields: dict[str, object] = {"id": config.router_id}
+        if self.metrics is not None:
+            self.metrics.watch_relays(self.runner.handoff.relays)
+            fields["metrics"] = self.metrics.address
+        if config.http_port is not None:
+            registry = None if self.metrics is None else self.metrics.registry
+            self.http = await openai_gateway.HttpServer.start(
+                self.frontend,
+                config.host,
+                config.http_port,
+                model_dir=config.model,
+                metrics=registry,
+                grace_s=config.grace_s,
+            )
+            fields["http"] = self.http.address
+        return fields
 
     async def drain(self) -> None:
-        """Nothing to leave: workers are not told about routers."""
+        """No new HTTP connections (running requests go on); workers are not told."""
+        if self.http is not None:
+            self.http.stop_accepting()
 
     async def close(self) -> None:
+        if self.http is not None:
+            await self.http.close()
         if self.metrics is not None:
             self.metrics.close()
         await self.frontend.cancel_bus.close()

@@ -21,11 +21,9 @@ log = logging.getLogger(__name__)
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(
-        self, frontend: Frontend, *, discovery: Discovery, model_dir: str, fingerprint: str
-    ):
+    def __init__(self, frontend: Frontend, *, discovery: Discovery, fingerprint: str):
         self.frontend, self.discovery = frontend, discovery
-        self.model_dir, self.fingerprint = model_dir, fingerprint
+        self.fingerprint = fingerprint
 
     @rpc_errors
     async def Generate(self, request, context):
@@ -71,7 +69,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         frontend = self.frontend
         cfg = frontend.model_config
         return router_pb2.ModelInfoResponse(
-            model=self.model_dir,
+            model=frontend.model_name,  # what clients ask for; never a path of this server
             architecture=cfg.architecture,
             vocab_size=cfg.vocab_size,
             max_model_len=frontend.max_model_len,

@@ -4,9 +4,14 @@ the ready line and logging.
 A process (the router, a worker) hands `serve` a `ServerApp`: the services it registers
 and three steps of its life (start, drain, close). `serve` owns the rest: the grpc.aio
 server and its options, health (NOT_SERVING until the app has started, SERVING, then
-NOT_SERVING again while draining), reflection, SIGTERM/SIGINT, the graceful stop and
-the `PDSERVE_READY` line. Server interceptors (tracing, auth) go in one place: its
-`interceptors` parameter.
+NOT_SERVING again while draining), reflection (where the process asks for it),
+SIGTERM/SIGINT, the graceful stop and the `PDSERVE_READY` line. Server interceptors
+(tracing, auth) go in one place: its `interceptors` parameter.
+
+A port is this server's alone: gRPC sets SO_REUSEPORT by default, which lets a second
+server bind a port already served and silently take part of its connections, so every
+server turns it off and a clash is a `ListenError` (`run` makes it one log line and exit
+status 1, not a traceback).
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
+from google.protobuf.descriptor import FileDescriptor, ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from pdserve.rpc.registration import Service, add_servicer
 from pdserve.telemetry import logs
@@ -36,10 +43,16 @@ READY_LINE = "PDSERVE_READY"
 KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    # a frozen peer (SIGSTOP) answers no ping: without this the ping in flight waits
+    # gRPC's default 60 s before the connection is declared dead
+    ("grpc.http2.ping_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+# No SO_REUSEPORT: a second server on a port in use must fail, not share it.
+LISTEN_OPTIONS = [("grpc.so_reuseport", 0)]
+EXIT_FAILURE = 1  # a server that could not start
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -61,6 +74,19 @@ class ServerOptions:
     port: int  # 0: a free port (the ready line says which)
     grace_s: float  # how long running calls may go on once the stop came
     grpc_options: Sequence[tuple[str, int]] = ()  # beside KEEPALIVE_OPTIONS: message sizes
+    # The router's API is public and describes itself; workers turn it off (--reflection).
+    reflection: bool = True
+
+
+class ListenError(OSError):
+    """The server cannot listen on its address: the port is taken (by another server,
+    perhaps another pdserve), or the address is not this machine's."""
+
+    def __init__(self, address: str):
+        super().__init__(
+            f"cannot listen on {address}: the port is in use (or the address is not this machine's)"
+        )
+        self.address = address
 
 
 class ServerApp(Protocol):
@@ -91,13 +117,22 @@ async def serve(
     """Serve `app` until `stop` is set or SIGTERM/SIGINT arrives, then drain and return."""
     stop = stop or asyncio.Event()
     server = grpc.aio.server(
-        options=[*options.grpc_options, *KEEPALIVE_OPTIONS], interceptors=list(interceptors)
+        options=[*options.grpc_options, *KEEPALIVE_OPTIONS, *LISTEN_OPTIONS],
+        interceptors=list(interceptors),
     )
     for service in app.services:
         add_servicer(service.servicer, service.descriptor, server, parsers=service.parsers)
-    status = _Health(server, [service.name for service in app.services])
+    names = [service.name for service in app.services]
+    status = _Health(server, names)
+    if options.reflection:
+        descriptors = [service.descriptor for service in app.services]
+        reflection.enable_server_reflection(
+            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME],
+            server,
+            pool=reflection_pool(descriptors),
+        )
     await status.set(_NOT_SERVING)
-    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    port = _listen(server, f"{options.host}:{options.port}")
     await server.start()
     stop_on_signals(stop)
     try:
@@ -116,16 +151,43 @@ async def serve(
     await app.close()
 
 
+def reflection_pool(services: Sequence[ServiceDescriptor]) -> descriptor_pool.DescriptorPool:
+    """One pool describing `services` (with their files' imports) and the standard health
+    and reflection services, for reflection: the services' descriptors may live in pools
+    of their own (the KServe stubs do, apart from tritonclient's same names)."""
+    pool, added = descriptor_pool.DescriptorPool(), set()
+
+    def add(file: FileDescriptor) -> None:
+        if file.name in added:
+            return
+        for dependency in file.dependencies:
+            add(dependency)
+        proto = descriptor_pb2.FileDescriptorProto()
+        file.CopyToProto(proto)
+        pool.Add(proto)
+        added.add(file.name)
+
+    standard = (health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR)
+    for file in (*standard, *(service.file for service in services)):
+        add(file)
+    return pool
+
+
+def _listen(server: grpc.aio.Server, address: str) -> int:
+    """Bind `address`; its port (the one chosen, for port 0). ListenError if it is taken."""
+    try:
+        return server.add_insecure_port(address)
+    except RuntimeError as exc:  # gRPC says only "Failed to bind to address ..."
+        raise ListenError(address) from exc
+
+
 class _Health:
-    """The standard health service and reflection for `names`, answering for all at once."""
+    """The standard health service for `names`, answering for all at once."""
 
     def __init__(self, server: grpc.aio.Server, names: Sequence[str]):
         self.servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
         self.names = ["", *names]  # "": the whole server
-        reflection.enable_server_reflection(
-            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-        )
 
     async def set(self, status: int) -> None:
         for name in self.names:
@@ -134,9 +196,16 @@ class _Health:
 
 def run(main: Coroutine, *, role: str, process_id: str, log_config: LogConfig) -> int:
     """A server process's main: log lines as `log_config` says, each naming this process
-    (its `role` and id), then run the coroutine `main`."""
+    (its `role` and id), then run the coroutine `main`; its exit status.
+
+    A server that cannot listen says so in one log line and exits with EXIT_FAILURE.
+    """
     logs.configure(log_config, role=role, process_id=process_id)
-    asyncio.run(main)
+    try:
+        asyncio.run(main)
+    except ListenError as exc:
+        log.error("%s", exc)
+        return EXIT_FAILURE
     return 0
 
 

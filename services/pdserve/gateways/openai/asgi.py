@@ -1,0 +1,135 @@
+"""The ASGI response that runs one generation: whole JSON, or server-sent events.
+
+It watches the connection while the generation runs: a client that leaves (before its
+first token or mid-stream) cancels the generation at once, which ends each of its router
+requests as cancelled and frees their KV blocks on every worker. Waiting for the next
+send to fail would leave a request with a long queue or prefill running for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from pdserve.gateways.openai.convert import RouterRequests
+from pdserve.gateways.openai.errors import ErrorReply, reply_for
+from pdserve.gateways.openai.responses import SSE_DONE, ResponseFormat, sse_event
+from pdserve.gateways.openai.streams import ChoiceStreams
+from pdserve.router.frontend import Frontend
+
+JSON_TYPE = b"application/json"
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # proxies (nginx) pass each event on at once
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One OpenAI request, ready to run: its router requests and how to answer."""
+
+    routed: RouterRequests
+    format: ResponseFormat
+    stream: bool
+    include_usage: bool
+
+
+class GenerationResponse(Response):
+    """Runs a `Generation` against the frontend while the client is there."""
+
+    def __init__(self, frontend: Frontend, generation: Generation):
+        super().__init__()
+        self.frontend, self.generation = frontend, generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        run = self._stream if self.generation.stream else self._whole
+        work = asyncio.ensure_future(run(send))
+        gone = asyncio.ensure_future(_disconnected(receive))
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            work.cancel()  # a no-op once it is done
+            await asyncio.gather(work, gone, return_exceptions=True)
+        if not work.cancelled() and work.exception() is not None:
+            raise work.exception()  # the server logs it and closes the connection
+
+    async def _whole(self, send: Send) -> None:
+        generation, routed = self.generation, self.generation.routed
+        streams = ChoiceStreams(self.frontend, routed.requests)
+        try:
+            finals = await streams.start()  # stream=False: each request's one message
+            async for _ in streams.rest():  # each session writes its record's end
+                pass
+        except Exception as exc:
+            await _send_error(send, reply_for(exc, routed.names.of))
+            return
+        finally:
+            await streams.aclose()
+        generation.format.named_after(finals[0].request_id)
+        body = json.dumps(generation.format.whole(finals, routed.n), ensure_ascii=False)
+        await _send_json(send, 200, body.encode())
+
+    async def _stream(self, send: Send) -> None:
+        generation, routed, chunks = self.generation, self.generation.routed, self.generation.format
+        streams = ChoiceStreams(self.frontend, routed.requests)
+        try:
+            try:
+                firsts = await streams.start()
+            except Exception as exc:  # before any token: the request fails with its status
+                await _send_error(send, reply_for(exc, routed.names.of))
+                return
+            chunks.named_after(firsts[0].request_id)
+            await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            finals = await self._events(send, streams, firsts)
+            if finals is not None and generation.include_usage:
+                await _send_body(send, chunks.usage_chunk(finals, routed.n))
+            await _send_body(send, SSE_DONE)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await streams.aclose()
+
+    async def _events(self, send: Send, streams: ChoiceStreams, firsts: list) -> list | None:
+        """Every message as an event; each choice's final message, or None when the
+        stream broke off (an error event went out instead)."""
+        chunks, routed = self.generation.format, self.generation.routed
+        finals = list(firsts)
+        for index, message in enumerate(firsts):
+            await _send_body(send, chunks.chunk(index, message))
+        try:
+            async for index, message in streams.rest():
+                finals[index] = message
+                await _send_body(send, chunks.chunk(index, message))
+        except Exception as exc:  # mid-stream: the status went out, an error event says it
+            await _send_body(send, sse_event(reply_for(exc, routed.names.of).body))
+            return None
+        return finals
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client has gone (the request's body was read before)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _send_body(send: Send, body: bytes) -> None:
+    await send({"type": "http.response.body", "body": body, "more_body": True})
+
+
+async def _send_json(
+    send: Send, status: int, body: bytes, headers: dict[str, str] | None = None
+) -> None:
+    raw_headers = [(b"content-type", JSON_TYPE), (b"content-length", str(len(body)).encode())]
+    raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _send_error(send: Send, reply: ErrorReply) -> None:
+    body = json.dumps(reply.body, ensure_ascii=False).encode()
+    await _send_json(send, int(reply.kind.status), body, reply.headers)

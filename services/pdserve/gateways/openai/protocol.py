@@ -1,0 +1,156 @@
+"""The OpenAI API's request bodies as pdserve accepts them (pydantic models).
+
+What the router implements is a typed field; what it does not is a field too, so that
+asking for it is a 400 naming it (`unsupported_field`) rather than something silently
+ignored; a name OpenAI does not have either is a 400 as well (`extra="forbid"`). Ranges are
+checked here only where the proto needs them (an int32, an unsigned seed): the router
+checks the rest and names the field, which `convert.ParamNames` turns back into the
+name the client used.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+INT32_MAX = 2**31 - 1
+SEED_MAX = 2**63 - 1  # the engine's seeds are non-negative int64s
+MAX_CHOICES = 128  # prompts x n of one request, as OpenAI caps n
+
+# Fields of OpenAI's API that pdserve does not implement, each with the values that ask
+# for nothing beyond what pdserve does anyway (accepted); any other value is a 400.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "verbosity": (None,),
+    "service_tier": (None, "auto", "default"),
+    "store": (None, False),
+    "metadata": (None, {}),
+    "prompt_cache_key": (None,),
+    # completions only
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    # inside a chat message
+    "tool_calls": (None, []),
+    "tool_call_id": (None,),
+    "refusal": (None,),
+}
+
+
+# A token id as the proto carries it (int32); the router checks it against the vocabulary.
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenIds = list[TokenId]
+
+
+def unsupported_field(model: BaseModel) -> str | None:
+    """The first field of `model` that asks for something pdserve does not implement."""
+    for name, inert in UNSUPPORTED_FIELDS.items():
+        if name in type(model).model_fields and getattr(model, name) not in inert:
+            return name
+    return None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class SamplingFields(_Strict):
+    """What chat and completions requests share: the model, streaming and sampling."""
+
+    model: str | None = None  # None: the one model this router serves
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None  # the end user's id, for the caller's records: no effect
+    safety_identifier: str | None = None  # OpenAI's newer name for `user`
+    # vLLM's extra sampling fields
+    top_k: int | None = Field(None, ge=-1, le=INT32_MAX)  # -1 or 0: no top-k filter
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    stop_token_ids: TokenIds | None = None
+    # not implemented: see UNSUPPORTED_FIELDS
+    logit_bias: Any = None
+    service_tier: Any = None
+    store: Any = None
+    metadata: Any = None
+    prompt_cache_key: Any = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts are supported (checked later, so
+    that the error names the part)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: str = Field(min_length=1)
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    # not implemented: see UNSUPPORTED_FIELDS
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    audio: Any = None
+    refusal: Any = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0, le=INT32_MAX)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
+    # not implemented: see UNSUPPORTED_FIELDS
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+
+
+class CompletionRequest(SamplingFields):
+    # text, texts, token ids, or lists of token ids: one prompt each
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    logprobs: int | None = Field(None, ge=0, le=INT32_MAX)
+    # not implemented: see UNSUPPORTED_FIELDS
+    echo: Any = None
+    best_of: Any = None
+    suffix: Any = None
