@@ -362,7 +362,8 @@ def test_health_serving_then_sigterm_drains_and_exits_cleanly(demo_model_dir, tm
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from procs import stop
 
-    with worker_process("decode", demo_model_dir, log_dir=tmp_path) as decode:
+    # --reflection: a worker lists its services only when asked to (off by default)
+    with worker_process("decode", demo_model_dir, "--reflection", log_dir=tmp_path) as decode:
         with grpc.insecure_channel(decode.address) as ch:
             check = health_pb2_grpc.HealthStub(ch).Check
             for service in ("", "pdserve.v1.Decode", "pdserve.v1.KVTransfer"):

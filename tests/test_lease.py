@@ -11,7 +11,7 @@ from pdserve.core.errors import (
     LeaseNotFoundError,
     LeaseRangeError,
 )
-from pdserve.kv.lease import LeaseState, LeaseTable
+from pdserve.kv.lease import LeaseState, LeaseTable, LeaseTerms
 
 
 class Clock:
@@ -27,13 +27,17 @@ def clock() -> Clock:
     return Clock()
 
 
+def terms(ttl_s: float) -> LeaseTerms:
+    return LeaseTerms(ttl_s=ttl_s, max_lifetime_s=60.0)  # longer than any test here
+
+
 @pytest.fixture
 def table(clock) -> LeaseTable:
     return LeaseTable(num_layers=2, clock=clock)
 
 
 def test_ids_are_unguessable_and_chunks_stay_inside_their_lease(table):
-    a, b = table.issue("ra", num_blocks=3, ttl_s=1), table.issue("rb", num_blocks=3, ttl_s=1)
+    a, b = table.issue("ra", 3, terms(1)), table.issue("rb", 3, terms(1))
     assert a.lease_id != b.lease_id and len(a.lease_id) >= 32
     assert table.check_chunk(a.lease_id, layer=1, first_block=1, num_blocks=2) is a
     for layer, first, count in [(2, 0, 1), (0, 2, 2), (0, -1, 1), (0, 0, 0)]:
@@ -44,7 +48,7 @@ def test_ids_are_unguessable_and_chunks_stay_inside_their_lease(table):
 
 
 def test_commit_needs_every_block_of_every_layer(table):
-    lease = table.issue("r", num_blocks=2, ttl_s=1)
+    lease = table.issue("r", num_blocks=2, terms=terms(1))
     table.mark_received(lease, 0, 0, 2, num_bytes=10)
     with pytest.raises(LeaseIncompleteError) as raised:
         table.commit(lease.lease_id)
@@ -56,7 +60,7 @@ def test_commit_needs_every_block_of_every_layer(table):
 
 
 def test_renewal_moves_the_deadline_to_now_plus_the_ttl(table, clock):
-    lease = table.issue("r", num_blocks=1, ttl_s=2.0)
+    lease = table.issue("r", num_blocks=1, terms=terms(2.0))
     clock.now += 1.5
     table.renew(lease.lease_id)
     assert lease.deadline == pytest.approx(clock.now + 2.0)

@@ -19,6 +19,16 @@ class InvalidRequestError(EngineError, ValueError):
         self.message = message
 
 
+class AlreadyExistsError(Exception):
+    """A request id is taken by a request with another prompt or other parameters: the
+    id's output is that request's, not the caller's. `field` names the id's field."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
 class ModelLoadError(EngineError):
     """A model directory is missing a file, holds a malformed one, or is unsupported.
 

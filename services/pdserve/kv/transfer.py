@@ -51,6 +51,7 @@ MESSAGES_QUEUED_PER_STREAM = 2
 _SERVICE = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"]
 PUSH_KV_METHOD = f"/{_SERVICE.full_name}/PushKV"
 _END = object()  # closes a stream's queue
+PUSHER_THREAD = "kv-pusher"  # the name of each pusher's thread
 
 OnChunk = Callable[[str, int, KVLayerChunk], None]
 
@@ -109,7 +110,7 @@ class KVPusher:
         self.max_message_bytes = max_message_bytes
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
-            target=self._loop.run_forever, name="kv-pusher", daemon=True
+            target=self._loop.run_forever, name=PUSHER_THREAD, daemon=True
         )
         self._thread.start()
         self._channels = self._call(self._open_channels())

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pdserve.core.listen import check_bind, check_port
 from pdserve.router.handoff import DEFAULT_LEASE_TTL_S
 from pdserve.router.policy import DEFAULT_PREFILL_POLICY, PREFILL_POLICIES, ColocationRule
+from pdserve.router.relay import DEFAULT_STREAM_PROGRESS_TIMEOUT_S
 from pdserve.telemetry.logs import LogConfig
 from pdserve.telemetry.metrics import MetricsConfig
 from pdserve.telemetry.request import served_model_name
@@ -104,6 +105,14 @@ class RouterConfig:
             "metavar": "TOKENS",
         },
     )
+    stream_progress_timeout_s: float = field(
+        default=DEFAULT_STREAM_PROGRESS_TIMEOUT_S,
+        metadata={
+            "help": "seconds a decode worker may send nothing while a request waits for its "
+            "tokens; then it counts as dead and its requests retry elsewhere",
+            "flag": "stream-progress-timeout",
+        },
+    )
     grace_s: float = field(
         default=30.0,
         metadata={"help": "seconds running requests get to finish on SIGTERM", "flag": "grace"},
@@ -142,6 +151,10 @@ class RouterConfig:
             raise ValueError(f"colocate_below must be >= 0, got {self.colocate_below}")
         if self.lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
+        if self.stream_progress_timeout_s <= 0:
+            raise ValueError(
+                f"stream_progress_timeout_s must be > 0, got {self.stream_progress_timeout_s}"
+            )
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
 

@@ -8,12 +8,18 @@ domain's (`core.errors`); each edge maps them to its own statuses.
 
 from __future__ import annotations
 
+import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from pdserve.api.v1 import common_pb2, router_pb2
-from pdserve.core.errors import InvalidRequestError, KVCapacityError, UnknownRequestError
+from pdserve.core.errors import (
+    AlreadyExistsError,
+    InvalidRequestError,
+    KVCapacityError,
+    UnknownRequestError,
+)
 from pdserve.core.model_config import ModelConfig
 from pdserve.core.sampling_params import SamplingParams, check_prompt_token_ids, check_request
 from pdserve.engine.tokenizer import Tokenizer
@@ -23,6 +29,7 @@ from pdserve.router.runner import RequestRunner
 from pdserve.router.session import RequestSession, retry_safe
 from pdserve.rpc.wire import sampling_params_from_proto
 from pdserve.rpc.wire.router import append_response, replay_response
+from pdserve.state.record import RequestRecord, request_digest
 from pdserve.state.requests import RequestStore
 
 # The sampling parameters' field path: as the engine names it, and in the public API.
@@ -33,6 +40,17 @@ class ResumeOutOfRangeError(InvalidRequestError):
     """resume_from points past the end of a finished request's output."""
 
     out_of_range = True
+
+
+def check_same_request(record: RequestRecord, digest: str) -> None:
+    """A call reusing a request's id gets its output only if it asks what the request
+    asked (`record.request_digest`), else AlreadyExistsError: the id alone is no proof of
+    being its client."""
+    if not hmac.compare_digest(record.request_digest.encode(), digest.encode()):
+        raise AlreadyExistsError(
+            "request_id",
+            f"{record.request_id!r} is taken by a request with another prompt or other parameters",
+        )
 
 
 class Frontend:
@@ -64,15 +82,18 @@ class Frontend:
         """The request's messages (one without `request.stream`), to its final one.
 
         A known `request_id` re-attaches to that request (any router's) from
-        `resume_from`; `timeout_s` is how long the client waits for the whole answer.
+        `resume_from` if the call asks for the same (prompt and sampling), and is
+        AlreadyExistsError otherwise; `timeout_s` is how long the client waits for the
+        whole answer.
         """
         received_at = time.monotonic()
         prompt = self.prompt_ids(request)
         params = self.checked_params(request.sampling, prompt)
+        digest = request_digest(prompt, params)  # what the client asked: before retry_safe
         request_id = request.request_id or uuid.uuid4().hex
         offset = request.resume_from if request.HasField("resume_from") else 0
-        if request.request_id and await self.store.get(request_id) is not None:
-            async for message in self._replay(request_id, offset, request.stream):
+        if request.request_id and (record := await self.store.get(request_id)) is not None:
+            async for message in self._replay(request_id, record, digest, offset, request.stream):
                 yield message
             return
         if request.HasField("resume_from"):
@@ -89,13 +110,15 @@ class Frontend:
             attempt,
             runner=self.runner,
             store=self.store,
+            request_digest=digest,
             router_id=self.router_id,
             received_at=received_at,
             model=self.model_name,
         )
         if not await session.open(start_first=not request.request_id):
-            async for message in self._replay(request_id, offset, request.stream):
-                yield message  # another call won the race for the id: follow it
+            record = await self.store.get(request_id)  # another call won the race for the id
+            async for message in self._replay(request_id, record, digest, offset, request.stream):
+                yield message  # follow it, if it asked the same
             return
         self.sessions[request_id] = session
         try:
@@ -104,8 +127,14 @@ class Frontend:
         finally:
             self.sessions.pop(request_id, None)
 
-    async def _replay(self, request_id: str, offset: int, stream: bool):
-        """Re-attach to a request (any router's) from `offset`, following it to its end."""
+    async def _replay(
+        self, request_id: str, record: RequestRecord | None, digest: str, offset: int, stream: bool
+    ):
+        """Re-attach to a request (any router's) from `offset`, following it to its end,
+        if this call (its `digest`) asks what the request asked (`check_same_request`)."""
+        if record is None:  # gone (expired) since the call that found it taken
+            raise UnknownRequestError(request_id)
+        check_same_request(record, digest)
         collected = router_pb2.GenerateResponse(request_id=request_id, offset=offset)
         position = offset
         try:

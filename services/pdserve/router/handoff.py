@@ -18,7 +18,7 @@ from opentelemetry.trace import SpanKind
 
 from pdserve.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from pdserve.core.block_hash import num_blocks_for, prompt_block_hashes
-from pdserve.router.relay import DecodeRelays, RelayStream
+from pdserve.router.relay import DEFAULT_STREAM_PROGRESS_TIMEOUT_S, DecodeRelays, RelayStream
 from pdserve.rpc.wire import is_final
 from pdserve.rpc.wire.router import prefill_response_to_delta
 from pdserve.telemetry import tracing
@@ -101,11 +101,12 @@ class HandOff:
         *,
         lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
         stream_interval: int = 1,
+        stream_progress_timeout_s: float | None = DEFAULT_STREAM_PROGRESS_TIMEOUT_S,
     ):
         self.channels = channels
         self.lease_ttl_ms = round(lease_ttl_s * 1000)
         self.stream_interval = stream_interval  # tokens per decode message (decode.proto)
-        self.relays = DecodeRelays(channels.get)
+        self.relays = DecodeRelays(channels.get, progress_timeout_s=stream_progress_timeout_s)
         self._releases: set[asyncio.Future] = set()  # abandoned leases being given back
 
     async def admit(self, decode_address: str, attempt: Attempt) -> Admission:

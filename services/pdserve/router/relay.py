@@ -7,6 +7,15 @@ message (tens of µs of CPU on each side) is paid per step, not per token of eac
 request. A `RelayStream` ends as the Stream call it replaces would: after the final
 TokenDelta, or with `grpc.aio.AioRpcError` carrying the status the worker reported, or
 UNAVAILABLE when the call itself broke (the worker died).
+
+A worker that stops without its connection breaking (SIGSTOP, a hung host: the kernel
+keeps the TCP connection open) is caught by a progress deadline: once a stream waits for
+tokens (its prefill has returned), the call must bring some message, for any of its
+streams, every `progress_timeout_s`. When it does not, the router treats the worker as
+dead: it ends the call, and every stream on it fails with UNAVAILABLE, which the session
+retries elsewhere as for a killed worker. The deadline runs from the call's last message,
+so a busy worker (whose other streams keep it talking) is not mistaken for a frozen one,
+and not from the attach, so a long prefill queue is not either.
 """
 
 from __future__ import annotations
@@ -24,6 +33,9 @@ from pdserve.rpc.wire import is_final
 
 log = logging.getLogger(__name__)
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+# A decode step takes milliseconds to a second; ten seconds without a message for any of
+# a worker's waiting streams means it is frozen (measured: docs, reliability notes).
+DEFAULT_STREAM_PROGRESS_TIMEOUT_S = 10.0
 
 
 class RelayStream:
@@ -42,6 +54,7 @@ class RelayStream:
         "_over",
         "_ended",
         "_deadline",
+        "waiting_since",
     )
 
     def __init__(self, connection: _RelayConnection, stream_id: int, timeout: float | None):
@@ -52,12 +65,16 @@ class RelayStream:
         # Resolves when the request's last delta was delivered, or fails with its error.
         self._ended: asyncio.Future = asyncio.get_running_loop().create_future()
         self._deadline = None
+        # loop.time() when `deliver` started: from then on the request waits for tokens
+        self.waiting_since: float | None = None
         if timeout is not None:  # the client's deadline: stop here, and detach the worker
             self._deadline = asyncio.get_running_loop().call_later(timeout, self._expire)
 
     async def deliver(self, consumer: Callable[[decode_pb2.TokenDelta], None]) -> None:
         """Call `consumer` with every delta up to the final one; raise the request's error."""
         self._consumer = consumer
+        self.waiting_since = asyncio.get_running_loop().time()
+        self._connection.watch()
         waiting, self._waiting = self._waiting, []
         for item in waiting:
             self.put(item)
@@ -111,13 +128,21 @@ class _RelayConnection:
     """One Relay call: commands go out through an outbox, batches are sorted by stream."""
 
     def __init__(
-        self, stub: decode_pb2_grpc.DecodeStub, on_closed: Callable[[_RelayConnection], None]
+        self,
+        stub: decode_pb2_grpc.DecodeStub,
+        on_closed: Callable[[_RelayConnection], None],
+        progress_timeout_s: float | None,
     ):
         self._on_closed = on_closed
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._streams: dict[int, RelayStream] = {}
         self._ids = itertools.count(1)
         self.open = True
+        self._loop = asyncio.get_running_loop()
+        self._progress_timeout_s = progress_timeout_s
+        self._last_message_at = self._loop.time()
+        self._watchdog: asyncio.TimerHandle | None = None  # the progress deadline's check
+        self._frozen: str | None = None  # why the deadline ended the call
         self._call = stub.Relay(self._commands())
         # In a context of its own: the call serves many requests, not the one that opened it
         # (whose trace its log lines would otherwise name).
@@ -139,6 +164,31 @@ class _RelayConnection:
             detach_command = decode_pb2.RelayDetach(stream_id=stream.stream_id)
             self._outbox.put_nowait(decode_pb2.RelayCommand(detach=detach_command))
 
+    def watch(self) -> None:
+        """A stream waits for tokens now: make sure the progress deadline is being kept."""
+        if self._watchdog is None and self._progress_timeout_s is not None and self.open:
+            self._check_progress()
+
+    def _check_progress(self) -> None:
+        """End the call if a waiting stream has had nothing, nor has the call, for the
+        timeout; else check again when that could first happen. Runs about once per
+        timeout, not per message: a message only moves `_last_message_at`."""
+        self._watchdog = None
+        waiting = [s.waiting_since for s in self._streams.values() if s.waiting_since is not None]
+        if not waiting or not self.open:
+            return
+        timeout = self._progress_timeout_s
+        deadline = max(self._last_message_at, min(waiting)) + timeout
+        if self._loop.time() < deadline:
+            self._watchdog = self._loop.call_at(deadline, self._check_progress)
+            return
+        self._frozen = (
+            f"the decode worker sent nothing for {timeout:g} s while {len(waiting)} "
+            "request(s) waited for tokens (frozen?)"
+        )
+        log.warning("ending the relay: %s", self._frozen)
+        self._call.cancel()  # the reader's `finally` fails every stream with UNAVAILABLE
+
     async def _commands(self):
         while (command := await self._outbox.get()) is not None:
             yield command
@@ -151,6 +201,7 @@ class _RelayConnection:
         why = "the decode worker ended the relay (draining)"
         try:
             async for batch in self._call:
+                self._last_message_at = self._loop.time()
                 streams = self._streams
                 for item in batch.items:
                     stream = streams.get(item.stream_id)
@@ -159,10 +210,14 @@ class _RelayConnection:
         except grpc.aio.AioRpcError as exc:  # the worker died or went away
             why = f"the relay to the decode worker broke ({exc.code().name}: {exc.details()})"
         except asyncio.CancelledError:
-            why = "the router is stopping"
-            raise
+            if self._frozen is None:
+                why = "the router is stopping"
+                raise
+            why = self._frozen  # the call was ended here, by the progress deadline
         finally:
             self.open = False
+            if self._watchdog is not None:
+                self._watchdog.cancel()
             self._on_closed(self)
             self._outbox.put_nowait(None)  # ends the command stream (it may await forever)
             error = _status_error(grpc.StatusCode.UNAVAILABLE, why)
@@ -181,8 +236,18 @@ class _RelayConnection:
 class DecodeRelays:
     """The router's Relay call to each decode worker, opened on first use, reopened if it broke."""
 
-    def __init__(self, channel_for):
-        self._channel_for = channel_for  # address -> grpc.aio.Channel
+    def __init__(
+        self,
+        channel_for,
+        *,
+        progress_timeout_s: float | None = DEFAULT_STREAM_PROGRESS_TIMEOUT_S,
+    ):
+        """`channel_for`: address -> grpc.aio.Channel. `progress_timeout_s`: how long a
+        worker may send nothing while a request waits for its tokens (None: forever)."""
+        if progress_timeout_s is not None and progress_timeout_s <= 0:
+            raise ValueError(f"progress_timeout_s must be > 0, got {progress_timeout_s}")
+        self._channel_for = channel_for
+        self._progress_timeout_s = progress_timeout_s
         self._connections: dict[str, _RelayConnection] = {}
 
     def open(
@@ -193,7 +258,7 @@ class DecodeRelays:
         if connection is None or not connection.open:
             stub = decode_pb2_grpc.DecodeStub(self._channel_for(address))
             connection = self._connections[address] = _RelayConnection(
-                stub, lambda closed: self._forget(address, closed)
+                stub, lambda closed: self._forget(address, closed), self._progress_timeout_s
             )
         return connection.attach(attach, timeout)
 

@@ -53,6 +53,7 @@ class RunnerConfig:
     max_attempts: int  # per request, the first included (the session retries)
     stream_interval: int  # tokens per decode message (see decode.proto StreamRequest)
     colocation: ColocationRule
+    stream_progress_timeout_s: float  # a decode worker silent this long counts as dead
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +107,10 @@ class RequestRunner:
         self.prefill_policy, self.decode_policy = prefill_policy, decode_policy
         self.dispatches = RecentDispatches()
         self.handoff = HandOff(
-            channels, lease_ttl_s=config.lease_ttl_s, stream_interval=config.stream_interval
+            channels,
+            lease_ttl_s=config.lease_ttl_s,
+            stream_interval=config.stream_interval,
+            stream_progress_timeout_s=config.stream_progress_timeout_s,
         )
 
     async def run(self, attempt: Attempt, events: AttemptEvents) -> None:

@@ -176,9 +176,11 @@ class RequestSession:
         router_id: str,
         received_at: float,
         model: str,
+        request_digest: str,
     ):
         self.attempt, self.runner, self.store, self.router_id = attempt, runner, store, router_id
         self.request_id = attempt.request_id
+        self.request_digest = request_digest  # what a call reusing the id must match
         self.telemetry = RequestTelemetry(
             attempt.request_id, attempt.sampling, model=model, prompt_tokens=len(attempt.prompt)
         )
@@ -206,6 +208,7 @@ class RequestSession:
             prompt_tokens=len(self.attempt.prompt),
             router_id=self.router_id,
             trace_id=self.telemetry.trace_id,
+            request_digest=self.request_digest,
         )
         try:
             created = await self.store.create(record)

@@ -33,6 +33,7 @@ STATUS_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (errors.StateUnavailableError, code_pb2.UNAVAILABLE),
     (errors.UnavailableError, code_pb2.UNAVAILABLE),
     (errors.UnknownRequestError, code_pb2.NOT_FOUND),
+    (errors.AlreadyExistsError, code_pb2.ALREADY_EXISTS),
     (errors.LeaseNotFoundError, code_pb2.NOT_FOUND),
     (errors.LeaseExpiredError, code_pb2.FAILED_PRECONDITION),
     (errors.LeaseRangeError, code_pb2.INVALID_ARGUMENT),

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import hashlib
 import json
+import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.core.phase import RequestPhase
+from pdserve.core.sampling_params import SamplingParams
+
+# Bumped whenever the digest's bytes change, so that no two layouts ever match.
+_DIGEST_TAG = b"pdserve.request-digest.v1\n"
 
 
 @dataclass
@@ -33,6 +41,9 @@ class RequestRecord:
     # sampling params and prompt form, so another router can check that an idempotent
     # retry asks for the same thing
     params_json: str = ""
+    # `request_digest` of what the client asked (never the prompt itself): a call that
+    # reuses the id gets this request's output only if it asks for the same; "": unknown
+    request_digest: str = ""
 
     def __post_init__(self) -> None:
         self.status = RequestPhase(self.status)
@@ -69,3 +80,20 @@ class RequestRecord:
 _RECORD_FIELD_NAMES = tuple(f.name for f in dataclasses.fields(RequestRecord))
 _RECORD_FIELDS = frozenset(_RECORD_FIELD_NAMES)
 _UPDATABLE = _RECORD_FIELDS - {"request_id", "created_at", "updated_at"}
+
+
+def request_digest(prompt_token_ids: Sequence[int], params: SamplingParams) -> str:
+    """sha256 (hex) over a request's prompt token ids and its sampling parameters as its
+    client sent them (not the copy the router seeds for retries).
+
+    Canonical bytes: a version tag, the parameters as JSON with sorted keys and a newline,
+    then the ids as little-endian uint32. A prompt given as text counts as its token ids.
+    """
+    sampling = json.dumps(dataclasses.asdict(params), sort_keys=True, separators=(",", ":"))
+    ids = array.array("I", prompt_token_ids)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    digest = hashlib.sha256(_DIGEST_TAG)
+    digest.update(sampling.encode() + b"\n")
+    digest.update(ids.tobytes())
+    return digest.hexdigest()

@@ -10,6 +10,9 @@ no clock shared between machines. `list` costs two round trips for any number of
 (SMEMBERS, then one MGET) and removes the ids whose key has expired, so the set stays as
 small as the live pool. A worker that heartbeats again between that MGET and SREM is
 missing from the set until its next heartbeat re-adds it: one heartbeat interval at most.
+Expiry needs Redis to answer, so routers also age what they last listed: a worker whose
+heartbeat a router has not seen move for ttl_s is unhealthy there, Redis or not
+(`router.discovery.registry.HeartbeatAges`).
 """
 
 from __future__ import annotations

@@ -37,6 +37,10 @@ class WorkerConfig:
         default=False,
         metadata={"help": "serve plaintext gRPC on an address beyond loopback (no TLS)"},
     )
+    reflection: bool = field(
+        default=False,
+        metadata={"help": "serve gRPC reflection (lists the internal services to any caller)"},
+    )
     threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"}
     )
@@ -44,12 +48,33 @@ class WorkerConfig:
         default=30.0,
         metadata={"help": "seconds a KV lease waits for its prefill", "flag": "lease-ttl"},
     )
+    max_lease_ttl_s: float = field(
+        default=120.0,
+        metadata={
+            "help": "the longest TTL an Admit or a renewal gets, whatever it asks (seconds)",
+            "flag": "max-lease-ttl",
+        },
+    )
+    max_lease_lifetime_s: float = field(
+        default=600.0,
+        metadata={
+            "help": "seconds after its Admit that renewals may keep a KV lease open at most",
+            "flag": "max-lease-lifetime",
+        },
+    )
     # 1 measured best on 2 cores (docs/benchmarks.md)
     kv_streams: int = field(
         default=DEFAULT_NUM_STREAMS, metadata={"help": "parallel KV push streams per request"}
     )
     max_message_bytes: int = field(
         default=DEFAULT_MAX_MESSAGE_BYTES, metadata={"help": "KV payload bytes per message"}
+    )
+    max_decode_peers: int = field(
+        default=64,
+        metadata={
+            "help": "decode workers a prefill worker keeps connections to (least recently "
+            "used closed first)"
+        },
     )
     grace_s: float = field(
         default=30.0,
@@ -80,7 +105,19 @@ class WorkerConfig:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
-        for name in ("kv_streams", "max_message_bytes"):
+        if self.max_lease_ttl_s <= 0:
+            raise ValueError(f"max_lease_ttl_s must be > 0, got {self.max_lease_ttl_s}")
+        if self.lease_ttl_s > self.max_lease_ttl_s:
+            raise ValueError(
+                f"lease_ttl_s ({self.lease_ttl_s}) must be <= max_lease_ttl_s "
+                f"({self.max_lease_ttl_s})"
+            )
+        if self.max_lease_lifetime_s < self.max_lease_ttl_s:
+            raise ValueError(
+                f"max_lease_lifetime_s ({self.max_lease_lifetime_s}) must be >= "
+                f"max_lease_ttl_s ({self.max_lease_ttl_s})"
+            )
+        for name in ("kv_streams", "max_message_bytes", "max_decode_peers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.grace_s < 0:

@@ -21,7 +21,7 @@ from pdserve.core.errors import (
 )
 from pdserve.core.kv_chunk import KVLayerChunk
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.kv.lease import Lease, LeaseState, LeaseTable
+from pdserve.kv.lease import Lease, LeaseState, LeaseTable, LeaseTerms
 from pdserve.worker.engine_loop import EngineLoop, Sink
 
 log = logging.getLogger(__name__)
@@ -70,9 +70,10 @@ class AdmittedLeases:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         request_id: str,
-        ttl_s: float | None = None,
+        terms: LeaseTerms,
     ) -> Lease:
-        """Reserve blocks for a prompt whose KV will be pushed here, under a new lease.
+        """Reserve blocks for a prompt whose KV will be pushed here, under a new lease on
+        `terms` (what the worker's `LeaseLimits` allow the caller).
 
         The reservation is taken right here, not between engine steps: the engine takes
         it while its model runs, so Admit waits for no step (~one decode step off TTFT).
@@ -85,7 +86,7 @@ class AdmittedLeases:
         except BaseException:
             self._loop.close_sink(request_id)
             raise
-        lease = self._table.issue(request_id, len(block_ids), ttl_s or self.default_ttl_s)
+        lease = self._table.issue(request_id, len(block_ids), terms)
         self._admitted[lease.lease_id] = AdmittedLease(lease, sink)
         return lease
 
@@ -113,7 +114,7 @@ class AdmittedLeases:
         return lease
 
     def renew(self, lease_id: str) -> Lease:
-        """Move an open lease's deadline (see `LeaseTable.renew`)."""
+        """Move an open lease's deadline, up to its lifetime (see `LeaseTable.renew`)."""
         return self._table.renew(lease_id)
 
     async def commit(self, lease_id: str, first_token_id: int) -> None:

@@ -8,6 +8,7 @@ import logging
 import queue
 import time
 import uuid
+from collections import OrderedDict
 
 import grpc
 from opentelemetry.trace import SpanKind
@@ -41,7 +42,11 @@ RENEW_TIMEOUT_S = 5.0
 
 
 class _DecodePeer:
-    """One decode worker as seen from here: a control channel and a KV pusher."""
+    """One decode worker as seen from here: a control channel and a KV pusher.
+
+    `users` counts the hand-offs using it; a retired peer (evicted, or unreachable) is
+    closed once the last of them ends, so no push is cut off by an eviction.
+    """
 
     def __init__(self, address: str, worker: Worker):
         options = channel_options(worker.config.max_message_bytes)
@@ -55,6 +60,8 @@ class _DecodePeer:
             max_message_bytes=worker.config.max_message_bytes,
         )
         self.verified = False
+        self.users = 0
+        self.retired = False
 
     async def handshake(self, worker: Worker) -> None:
         """Check once that the decode worker runs our model with our KV layout."""
@@ -77,6 +84,67 @@ class _DecodePeer:
     async def close(self) -> None:
         await self.channel.close()
         await asyncio.to_thread(self.pusher.close)
+
+
+class DecodePeers:
+    """The decode workers this prefill worker hands KV to, at most --max-decode-peers.
+
+    Each peer holds a channel and a pusher with a thread of its own. Decode workers come
+    and go (pods move), so peers are kept least recently used first and the oldest goes
+    when a new one would exceed the bound; one found unreachable goes at once. Without
+    this a prefill worker kept a thread for every decode address it ever saw.
+    """
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        self._peers: OrderedDict[str, _DecodePeer] = OrderedDict()
+        self._closing: set[asyncio.Task] = set()
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def acquire(self, address: str) -> _DecodePeer:
+        """The peer for `address`, for one hand-off: give it back with `release`."""
+        peer = self._peers.pop(address, None) or _DecodePeer(address, self.worker)
+        self._peers[address] = peer  # the most recently used is last
+        peer.users += 1
+        while len(self._peers) > self.worker.config.max_decode_peers:
+            self._retire(self._peers.popitem(last=False)[1])
+        return peer
+
+    def release(self, peer: _DecodePeer, error: BaseException | None = None) -> None:
+        """A hand-off is done with `peer`; `error` is what ended it, if anything did."""
+        peer.users -= 1
+        if _unreachable(error) and self._peers.get(peer.address) is peer:
+            del self._peers[peer.address]  # that worker is gone: the next hand-off reconnects
+            peer.retired = True
+        if peer.retired:
+            self._retire(peer)
+
+    def _retire(self, peer: _DecodePeer) -> None:
+        peer.retired = True
+        if peer.users == 0:
+            self._close(peer)
+
+    def _close(self, peer: _DecodePeer) -> None:
+        task = asyncio.create_task(peer.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def close(self) -> None:
+        """Close every peer (after the hand-offs have ended)."""
+        peers, self._peers = list(self._peers.values()), OrderedDict()
+        for peer in peers:
+            self._close(peer)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+
+def _unreachable(error: BaseException | None) -> bool:
+    """Whether `error` says the decode worker cannot be reached (UNAVAILABLE)."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.code() == grpc.StatusCode.UNAVAILABLE
+    return isinstance(error, KVPushError) and error.code == grpc.StatusCode.UNAVAILABLE
 
 
 async def keep_lease_open(kv: kv_transfer_pb2_grpc.KVTransferStub, lease_id: str) -> None:
@@ -171,7 +239,7 @@ def _push_failure(exc: Exception) -> str:
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, worker: Worker):
         self.worker = worker
-        self.peers: dict[str, _DecodePeer] = {}
+        self.peers = DecodePeers(worker)
         self.transfers: set[asyncio.Task] = set()  # pushes still running after the reply
 
     @rpc_errors
@@ -195,7 +263,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         request_id = f"{request.request_id or uuid.uuid4().hex}{PREFILL_ID_SUFFIX}"
         params = sampling_params_from_proto(request.sampling)
         lease_id = request.target.lease_id
-        peer = self._peer(request.target.address)
+        peer = self.peers.acquire(request.target.address)
         export, push = KVExport(request_id), None
         keeper = asyncio.create_task(keep_lease_open(peer.kv, lease_id))
         try:
@@ -208,9 +276,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             pushing = push_kv(peer.pusher, lease_id, chunks, request_id=request.request_id)
             push = asyncio.create_task(pushing)
             first: RequestOutput = await self._first_token(request_id, sink)
-        except BaseException:  # failed or cancelled by the caller: free both sides now
+        except BaseException as exc:  # failed or cancelled by the caller: free both sides now
             keeper.cancel()
-            await asyncio.shield(self._abandon(request_id, export, push, peer, lease_id))
+            abandon = self._abandon(request_id, export, push, peer, lease_id, error=exc)
+            await asyncio.shield(abandon)
             raise
         reason = first_token_finish(first, params)
         task = asyncio.create_task(
@@ -234,8 +303,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise item
         return item
 
-    async def _abandon(self, request_id, export, push, peer, lease_id) -> None:
-        """Stop the request here (if it started) and give the decode lease back."""
+    async def _abandon(self, request_id, export, push, peer, lease_id, *, error) -> None:
+        """Stop the request here (if it started), give the lease back, then the peer."""
         worker = self.worker
         worker.loop.close_sink(request_id)
 
@@ -244,11 +313,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             if worker.engine.scheduler.get_request(request_id) is not None:
                 worker.engine.abort(request_id)
 
-        await worker.loop.call(stop_on_engine_thread)
-        await self._release(peer, lease_id, push)
+        try:
+            await worker.loop.call(stop_on_engine_thread)
+            await self._release(peer, lease_id, push)
+        finally:
+            self.peers.release(peer, error)
 
     async def _finish_transfer(self, push, keeper, peer, lease_id, first, reason) -> None:
         """After the reply: wait for the KV push, then commit the lease (or give it back)."""
+        error: Exception | None = None
         try:
             if reason is not None:  # the first token ended the request: decode is not needed
                 await self._release(peer, lease_id, push)
@@ -263,10 +336,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 metadata=tracing.outgoing_metadata(),
             )
         except Exception as exc:
+            error = exc
             log.warning("KV hand-off for %s failed: %s", first.request_id, exc)
             await self._release(peer, lease_id, None)
         finally:
             keeper.cancel()
+            self.peers.release(peer, error)
 
     async def _release(self, peer: _DecodePeer, lease_id: str, push) -> None:
         """Give the decode lease back, once the push into it (if any) has ended."""
@@ -281,11 +356,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         except grpc.aio.AioRpcError as exc:
             log.warning("could not release lease: %s", exc.details())
 
-    def _peer(self, address: str) -> _DecodePeer:
-        if address not in self.peers:
-            self.peers[address] = _DecodePeer(address, self.worker)
-        return self.peers[address]
-
     @rpc_errors
     async def GetLoad(self, request, context):
         return worker_load_to_proto(self.worker.info(num_block_hashes=0))
@@ -293,8 +363,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def close(self) -> None:
         if self.transfers:
             await asyncio.gather(*self.transfers, return_exceptions=True)
-        for peer in self.peers.values():
-            await peer.close()
+        await self.peers.close()
 
 
 def prefill_attributes(first: RequestOutput, started: float, done: float) -> dict:

@@ -90,16 +90,23 @@ def _start_heartbeats(worker: Worker) -> tuple[asyncio.Task, asyncio.Event] | No
     return task, stop
 
 
-async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None:
-    """Serve until `stop` is set or SIGTERM/SIGINT arrives, then drain and exit."""
-    keep_freed_memory()  # KV messages are MBs each: reuse their buffers, don't refault them
-    options = ServerOptions(
+def server_options(config: WorkerConfig) -> ServerOptions:
+    """How a worker serves: KV-sized messages; reflection only with --reflection (its
+    services are internal: no caller needs them listed)."""
+    return ServerOptions(
         role=config.role,
         host=config.host,
         port=config.port,
         grace_s=config.grace_s,
         grpc_options=channel_options(config.max_message_bytes),
+        reflection=config.reflection,
     )
+
+
+async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve until `stop` is set or SIGTERM/SIGINT arrives, then drain and exit."""
+    keep_freed_memory()  # KV messages are MBs each: reuse their buffers, don't refault them
+    options = server_options(config)
     tracer_provider = tracing.configure(config.role)  # from the OTEL_* variables; None: off
     try:
         await rpc_server.serve(WorkerApp(config), options, stop)
