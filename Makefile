@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup prometheus test run lint format protos clean
+.PHONY: help setup prometheus test run lint format protos clean docker chart-golden chart-readme
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -26,8 +26,8 @@ prometheus:  ## install Debian's prometheus package (promtool too) if missing an
 test:  ## run the test suite (real Redis, real gRPC, real torch)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-run:  ## pdserve up: Redis, 1 prefill + 1 decode worker and a router (Ctrl-C stops)
-	$(BIN)/pdserve up $(UP_ARGS)
+run:  ## pdserve up: Redis, 1 prefill + 1 decode worker, a router (gRPC :50051, OpenAI HTTP :8000; Ctrl-C stops)
+	$(BIN)/pdserve up --http-port 8000 $(UP_ARGS)
 
 lint:  ## ruff check and format check, pylint's duplicate-code check (config in pyproject.toml)
 	$(BIN)/ruff check services tests scripts bench
@@ -38,8 +38,31 @@ format:  ## apply ruff fixes and formatting
 	$(BIN)/ruff check --fix services tests scripts bench
 	$(BIN)/ruff format services tests scripts bench
 
-protos:  ## regenerate the gRPC stubs in services/pdserve/api/v1
-	$(BIN)/python scripts/gen_protos.py --out services/pdserve/api/v1
+protos:  ## regenerate the gRPC stubs in services/pdserve/api (v1, inference)
+	$(BIN)/python scripts/gen_protos.py --out services/pdserve/api
+
+chart-golden:  ## re-render the Helm chart's golden files (tests/golden/chart) after a template change
+	$(BIN)/python scripts/chart_golden.py
+
+chart-readme:  ## regenerate the values tables of charts/pdserve/README.md from values.yaml and its schema
+	$(BIN)/python scripts/chart_values_table.py
+
+# `make docker`: docker/Dockerfile in each flavour, tagged IMAGE:VERSION-FLAVOUR and IMAGE:FLAVOUR
+# (docker/README.md).
+ENGINE ?= docker
+IMAGE ?= pdserve
+DOCKER_FLAVOURS ?= cpu cu126
+IMAGE_SOURCE ?=
+IMAGE_REVISION ?= $(shell git rev-parse HEAD 2>/dev/null)
+# The package's version from pyproject.toml, its one home: the images' tag and OCI label.
+PDSERVE_VERSION = $(shell sed -n '/^\[project\]/,/^\[/s/^version *= *"\(.*\)"/\1/p' pyproject.toml)
+
+docker: $(DOCKER_FLAVOURS:%=docker-%)  ## build the image, CPU and CUDA (ENGINE=podman works too)
+
+docker-%:
+	$(ENGINE) build --file docker/Dockerfile --tag $(IMAGE):$(PDSERVE_VERSION)-$* --tag $(IMAGE):$* \
+	  --build-arg TORCH_VARIANT=$* --build-arg PDSERVE_VERSION=$(PDSERVE_VERSION) \
+	  --build-arg "SOURCE_URL=$(IMAGE_SOURCE)" --build-arg "REVISION=$(IMAGE_REVISION)" .
 
 clean:  ## remove the venv and caches
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build dist services/*.egg-info
