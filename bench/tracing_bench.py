@@ -1,0 +1,246 @@
+"""What tracing costs: two identical clusters in one run, one traced and one not (issue 11).
+
+Real `pdserve` processes on loopback, as in `router_bench.py`: each side is a private
+Redis, one prefill and two decode workers (one torch thread each) and a router with
+static discovery over them, routers pinned to core 0 and everything else to core 1.
+The traced side's processes export every span (`OTEL_EXPORTER_OTLP_ENDPOINT`, the SDK's
+default sampler: every request, or `--sampler-ratio R`:
+`parentbased_traceidratio`) over OTLP/gRPC to a bare span sink in this process (a
+grpcio `TraceService` that counts what it receives); the other side has no OTEL_*
+variable, so nothing is installed there. Only one side works at a time.
+
+1. Relay: windows (half the router bench's requests each) of concurrent streams of long
+   greedy generations, the sides in turn (a b, b a, ...) so that the machine's drift
+   lands on both. Per side: the router's CPU
+   per token (every thread of it: the span exporter's included), the whole cluster's CPU
+   per token (router, workers, Redis), and wall tokens/s.
+2. TTFT: short requests one at a time, alternating sides request by request; p50 per side.
+
+    .venv/bin/python bench/tracing_bench.py [--quick] [--sampler-ratio R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from router_bench import (
+    FULL,
+    OTHERS_CORE,
+    PROMPT_SEED,
+    QUICK,
+    STOP_TIMEOUT_S,
+    Options,
+    Workload,
+    greedy_proto,
+    machine_line,
+    processes,
+    prompt,
+    relay_streams,
+    router_ttft,
+)
+
+from pdserve.api.v1 import router_pb2_grpc
+from pdserve.bench.component import Ratio, print_table
+from pdserve.bench.machine import CpuWindow, load_average, pin
+
+HEADER = ("metric", "traced", "untraced", "traced / untraced", "target", "met")
+TTFT_TOKENS = 4
+
+
+class SpanSink(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace receiver that keeps nothing but the count."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+
+    def Export(self, request, context):
+        self.spans += sum(len(s.spans) for r in request.resource_spans for s in r.scope_spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+@contextlib.contextmanager
+def span_sink() -> Iterator[tuple[str, SpanSink]]:
+    """The sink on a free loopback port: (its endpoint URL, the sink)."""
+    sink, server = SpanSink(), grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}", sink
+    finally:
+        server.stop(grace=None)
+
+
+@contextlib.contextmanager
+def environment(variables: dict[str, str]) -> Iterator[None]:
+    """`variables` in os.environ while children are started (they inherit it)."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@dataclass
+class Side:
+    """One cluster, and what its timed windows added up to."""
+
+    name: str
+    address: str  # its router
+    pids: dict[str, int]  # router first, then the rest of its cluster
+    tokens: int = 0
+    wall_s: float = 0.0
+    router_cpu_s: float = 0.0
+    cluster_cpu_s: float = 0.0
+    ttft_s: list[float] = field(default_factory=list)
+
+    def relay_window(self, w: Workload, rng: random.Random) -> None:
+        num_requests = w.relay_requests // 2
+        with CpuWindow(self.pids) as window:
+            tokens, _ = asyncio.run(self.streams(w, num_requests, rng))
+        if tokens != num_requests * w.relay_new_tokens:
+            raise RuntimeError(f"{self.name}: relayed {tokens} tokens")
+        self.tokens += tokens
+        self.wall_s += window.wall_s
+        self.router_cpu_s += window.cpu_s["router"]
+        self.cluster_cpu_s += sum(window.cpu_s.values())
+
+    async def streams(self, w: Workload, num_requests: int, rng: random.Random):
+        """`num_requests` long greedy generations, `w.relay_streams` at a time."""
+        sampling = greedy_proto(w.relay_new_tokens)
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            return await relay_streams(stub, w.relay_streams, num_requests, sampling, rng)
+
+
+async def ttft_pairs(sides: list[Side], pairs: int, rng: random.Random) -> None:
+    """One short request at a time, the sides in turn (a b, b a, ...)."""
+    sampling = greedy_proto(TTFT_TOKENS)
+    channels = [grpc.aio.insecure_channel(side.address) for side in sides]
+    stubs = [router_pb2_grpc.RouterStub(channel) for channel in channels]
+    try:
+        for i in range(pairs + 4):  # the first 4 rounds warm up
+            for j in range(len(sides)):
+                k = (i + j) % len(sides)
+                ttft = await router_ttft(stubs[k], prompt(rng), sampling, [])
+                if i >= 4:
+                    sides[k].ttft_s.append(ttft)
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
+def figures(traced: Side, untraced: Side) -> list[Ratio]:
+    def per_token(side: Side, cpu_s: float) -> float:
+        return cpu_s / side.tokens * 1e6
+
+    return [
+        Ratio(
+            "router CPU per relayed token",
+            per_token(traced, traced.router_cpu_s),
+            per_token(untraced, untraced.router_cpu_s),
+            "µs",
+            1.03,
+            higher_is_better=False,
+        ),
+        Ratio(
+            "cluster CPU per token (router, workers, Redis)",
+            per_token(traced, traced.cluster_cpu_s),
+            per_token(untraced, untraced.cluster_cpu_s),
+            "µs",
+            1.03,
+            higher_is_better=False,
+        ),
+        Ratio(
+            "wall tokens/s while relaying",
+            traced.tokens / traced.wall_s,
+            untraced.tokens / untraced.wall_s,
+            "tokens/s",
+            0.97,
+        ),
+        Ratio(
+            "TTFT p50 through the router",
+            statistics.median(traced.ttft_s) * 1e3,
+            statistics.median(untraced.ttft_s) * 1e3,
+            "ms",
+            None,
+        ),
+    ]
+
+
+def start_side(stack, name: str, variables: dict[str, str], o: Options, tmp: Path) -> Side:
+    """A whole cluster and its router, started with `variables` in their environment."""
+    log_dir = tmp / name
+    log_dir.mkdir()
+    with environment(variables):
+        p = stack.enter_context(processes(tmp / "demo-tiny", 2, log_dir))
+        router = p.start_router("router-relay", p.decodes, o)
+    stack.callback(router.stop, timeout_s=STOP_TIMEOUT_S)
+    return Side(name, router.address, p.pids(router, p.decodes))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument(
+        "--sampler-ratio",
+        type=float,
+        metavar="R",
+        help="trace this share of requests (parentbased_traceidratio); default: all",
+    )
+    args = parser.parse_args(argv)
+    o = Options(QUICK if args.quick else FULL, 1, None, None)
+    windows, pairs = (1, 8) if args.quick else (3, 60)
+    rng = random.Random(PROMPT_SEED)
+    pin(os.getpid(), OTHERS_CORE)
+    print(machine_line())
+    print(f"load average at start: {load_average()}")
+    with (
+        tempfile.TemporaryDirectory(prefix="pdserve-tracing-bench-") as tmp,
+        span_sink() as (endpoint, sink),
+        contextlib.ExitStack() as stack,
+    ):
+        traced_env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
+        if args.sampler_ratio is not None:
+            traced_env["OTEL_TRACES_SAMPLER"] = "parentbased_traceidratio"
+            traced_env["OTEL_TRACES_SAMPLER_ARG"] = str(args.sampler_ratio)
+        traced = start_side(stack, "traced", traced_env, o, Path(tmp))
+        untraced = start_side(stack, "untraced", {}, o, Path(tmp))
+        sides = [traced, untraced]
+        w = o.workload
+        for side in sides:  # warm-up, untimed
+            asyncio.run(side.streams(w, w.relay_streams, rng))
+        for i in range(windows):
+            for j in range(len(sides)):
+                sides[(i + j) % len(sides)].relay_window(w, rng)
+        asyncio.run(ttft_pairs(sides, pairs, rng))
+        time.sleep(6)  # the batch span processors' last exports (every 5 s)
+        print(f"spans received from the traced side: {sink.spans:,}")
+    print(f"load average at the end: {load_average()}")
+    sampled = "every request" if args.sampler_ratio is None else f"ratio {args.sampler_ratio}"
+    print(f"traced side: {sampled}; {windows} relay windows per side, {pairs} TTFT pairs")
+    print_table(HEADER, figures(traced, untraced))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
