@@ -106,7 +106,7 @@ class Side:
 
     name: str
     address: str  # its router
-    pids: dict[str, int]  # router first, then the rest of its cluster
+    pids: dict[str, int]  # its router, workers and Redis, and this process ("client")
     tokens: int = 0
     wall_s: float = 0.0
     router_cpu_s: float = 0.0
@@ -122,7 +122,8 @@ class Side:
         self.tokens += tokens
         self.wall_s += window.wall_s
         self.router_cpu_s += window.cpu_s["router"]
-        self.cluster_cpu_s += sum(window.cpu_s.values())
+        # not this process: it is the client, and the span sink (a collector runs elsewhere)
+        self.cluster_cpu_s += sum(cpu for name, cpu in window.cpu_s.items() if name != "client")
 
     async def streams(self, w: Workload, num_requests: int, rng: random.Random):
         """`num_requests` long greedy generations, `w.relay_streams` at a time."""
