@@ -16,7 +16,7 @@ variable, so nothing is installed there. Only one side works at a time.
    per token (router, workers, Redis), and wall tokens/s.
 2. TTFT: short requests one at a time, alternating sides request by request; p50 per side.
 
-    .venv/bin/python bench/tracing_bench.py [--quick] [--sampler-ratio R]
+    .venv/bin/python bench/tracing_bench.py [--quick] [--sampler-ratio R] [--control]
 """
 
 from __future__ import annotations
@@ -208,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="R",
         help="trace this share of requests (parentbased_traceidratio); default: all",
     )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="an A/A run: the 'traced' side gets no OTEL_* variable either, so the table "
+        "shows what tells the two clusters apart besides tracing",
+    )
     args = parser.parse_args(argv)
     o = Options(QUICK if args.quick else FULL, 1, None, None)
     windows, pairs = (1, 8) if args.quick else (3, 60)
@@ -238,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spans received from the traced side: {sink.spans:,}")
     print(f"load average at the end: {load_average()}")
     sampled = "every request" if args.sampler_ratio is None else f"ratio {args.sampler_ratio}"
+    sampled = "not traced either (--control)" if args.control else sampled
     print(f"traced side: {sampled}; {windows} relay windows per side, {pairs} TTFT pairs")
     print_table(HEADER, figures(traced, untraced))
     return 0
