@@ -17,6 +17,7 @@ variable, so nothing is installed there. Only one side works at a time.
 2. TTFT: short requests one at a time, alternating sides request by request; p50 per side.
 
     .venv/bin/python bench/tracing_bench.py [--quick] [--sampler-ratio R] [--control]
+        [--untraced-first]
 """
 
 from __future__ import annotations
@@ -214,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         help="an A/A run: the 'traced' side gets no OTEL_* variable either, so the table "
         "shows what tells the two clusters apart besides tracing",
     )
+    parser.add_argument(
+        "--untraced-first",
+        action="store_true",
+        help="start the untraced cluster first (the first started ran slower in A/A runs: "
+        "run both orders and compare)",
+    )
     args = parser.parse_args(argv)
     o = Options(QUICK if args.quick else FULL, 1, None, None)
     windows, pairs = (1, 8) if args.quick else (3, 60)
@@ -245,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at the end: {load_average()}")
     sampled = "every request" if args.sampler_ratio is None else f"ratio {args.sampler_ratio}"
     sampled = "not traced either (--control)" if args.control else sampled
-    print(f"traced side: {sampled}; {windows} relay windows per side, {pairs} TTFT pairs")
+    first = "untraced" if args.untraced_first else "traced"
+    print(f"traced side: {sampled}; started first: {first}; {windows} relay windows per side")
     print_table(HEADER, figures(traced, untraced))
     return 0
 
