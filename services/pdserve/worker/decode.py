@@ -14,7 +14,7 @@ from pdserve.api.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_tran
 from pdserve.core.errors import PreconditionError
 from pdserve.core.kv_chunk import KVLayerChunk
 from pdserve.core.protocol import PROTOCOL_VERSION, check_peer
-from pdserve.kv.lease import Lease, LeaseLimits
+from pdserve.kv.lease import Lease
 from pdserve.kv.transfer import receive_push
 from pdserve.rpc.errors import rpc_errors, status_code
 from pdserve.rpc.wire import sampling_params_from_proto
@@ -33,25 +33,17 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, worker: Worker):
         self.worker = worker
         self.relays: set[RelayCall] = set()
-        config = worker.config
-        # What an Admit may ask for: its TTL is capped, renewals end at the lifetime.
-        self.lease_limits = LeaseLimits(
-            default_ttl_s=config.lease_ttl_s,
-            max_ttl_s=config.max_lease_ttl_s,
-            max_lifetime_s=config.max_lease_lifetime_s,
-        )
 
     @rpc_errors
     async def Admit(self, request, context):
         worker = self.worker
         worker.check_admitting()
-        terms = self.lease_limits.terms(request.lease_ttl_ms / 1000)  # 0: the default
         with tracing.span("admit", request.request_id, kind=SpanKind.SERVER) as span:
             lease = worker.leases.admit(
                 list(request.prompt_token_ids),
                 sampling_params_from_proto(request.sampling),
                 request.request_id or uuid.uuid4().hex,
-                terms,
+                request.lease_ttl_ms / 1000,  # 0: the worker's default
             )
             span.set_attribute("pdserve.lease.num_blocks", lease.num_blocks)
         return lease_to_proto(lease, worker.layout)

@@ -21,7 +21,7 @@ from pdserve.core.errors import (
 )
 from pdserve.core.kv_chunk import KVLayerChunk
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.kv.lease import Lease, LeaseState, LeaseTable, LeaseTerms
+from pdserve.kv.lease import Lease, LeaseLimits, LeaseState, LeaseTable
 from pdserve.worker.engine_loop import EngineLoop, Sink
 
 log = logging.getLogger(__name__)
@@ -47,10 +47,10 @@ class AdmittedLeases:
     Runs on the event loop; the engine's work goes through the engine loop.
     """
 
-    def __init__(self, loop: EngineLoop, default_ttl_s: float):
+    def __init__(self, loop: EngineLoop, limits: LeaseLimits):
         self._loop = loop
         self._engine = loop.engine
-        self.default_ttl_s = default_ttl_s
+        self.limits = limits  # what a caller may ask of a lease
         self._table = LeaseTable(self._engine.model_config.num_layers)
         self._admitted: dict[str, AdmittedLease] = {}  # by lease id
         self._background: set[asyncio.Task] = set()
@@ -70,10 +70,10 @@ class AdmittedLeases:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         request_id: str,
-        terms: LeaseTerms,
+        requested_ttl_s: float | None = None,
     ) -> Lease:
-        """Reserve blocks for a prompt whose KV will be pushed here, under a new lease on
-        `terms` (what the worker's `LeaseLimits` allow the caller).
+        """Reserve blocks for a prompt whose KV will be pushed here, under a new lease
+        with the TTL asked for (None or 0: the default), as `limits` cap it.
 
         The reservation is taken right here, not between engine steps: the engine takes
         it while its model runs, so Admit waits for no step (~one decode step off TTFT).
@@ -86,7 +86,7 @@ class AdmittedLeases:
         except BaseException:
             self._loop.close_sink(request_id)
             raise
-        lease = self._table.issue(request_id, len(block_ids), terms)
+        lease = self._table.issue(request_id, len(block_ids), self.limits.terms(requested_ttl_s))
         self._admitted[lease.lease_id] = AdmittedLease(lease, sink)
         return lease
 
@@ -184,7 +184,7 @@ class AdmittedLeases:
             now = time.monotonic()
             for admitted in list(self._admitted.values()):
                 lease = admitted.lease
-                overdue = now > lease.deadline + self.default_ttl_s
+                overdue = now > lease.deadline + self.limits.default_ttl_s
                 if lease.state is LeaseState.COMMITTED and not admitted.stream_attached and overdue:
                     reason = LeaseExpiredError("no stream attached")
                     await self.close_lease(admitted, LeaseState.RELEASED, reason)

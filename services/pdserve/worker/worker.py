@@ -9,6 +9,7 @@ from pdserve.core.errors import UnavailableError
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.workers import MAX_CACHED_BLOCK_HASHES, WorkerInfo
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kv.lease import LeaseLimits
 from pdserve.rpc.wire.worker import kv_layout_to_proto
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.engine_loop import EngineLoop, Sink
@@ -38,7 +39,13 @@ class Worker:
         self.address = f"{host}:{port}"  # how others reach us
         self.metrics_address = f"{host}:{metrics_port}" if metrics_port is not None else ""
         self.loop = EngineLoop(engine, asyncio.get_running_loop())
-        self.leases = AdmittedLeases(self.loop, config.lease_ttl_s)
+        # What an Admit may ask for: its TTL is capped, renewals end at the lifetime.
+        limits = LeaseLimits(
+            default_ttl_s=config.lease_ttl_s,
+            max_ttl_s=config.max_lease_ttl_s,
+            max_lifetime_s=config.max_lease_lifetime_s,
+        )
+        self.leases = AdmittedLeases(self.loop, limits)
         # What a prefill worker's KV must match here (checked at Handshake).
         self.layout = kv_layout_to_proto(
             engine.model_config,
