@@ -32,7 +32,8 @@ class Role(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     BOTH = "both"
-    OTHER = "other"  # Redis, the helm test pod, anything not `pdserve router|serve`
+    PLANNER = "planner"  # `pdserve planner`: no server, it scales the pools
+    OTHER = "other"  # Redis, the helm test pod, anything not `pdserve router|serve|planner`
 
     @property
     def is_worker(self) -> bool:
@@ -40,7 +41,8 @@ class Role(enum.Enum):
 
     @property
     def is_pdserve(self) -> bool:
-        return self is not Role.OTHER
+        """A pdserve server: the router or a worker pool."""
+        return self not in (Role.OTHER, Role.PLANNER)
 
 
 def command_line(container: Mapping) -> list[str]:
@@ -56,6 +58,8 @@ def role_of(container: Mapping) -> Role:
         words = words[1:]
     if words[:1] == ["router"]:
         return Role.ROUTER
+    if words[:1] == ["planner"]:
+        return Role.PLANNER
     if words[:1] == ["serve"] and len(words) > 1:
         return Role(words[1])
     return Role.OTHER
@@ -274,13 +278,16 @@ def namespace_labels(namespace: str, extra: Mapping[str, str] | None = None) -> 
 
 
 def probe_peers(release: Release, namespace: str, network: Mapping) -> dict[str, Peer]:
-    """Would-be clients: the release's own pdserve pods (by role) and its helm test pod, a
+    """Would-be clients: the release's own pdserve pods (by role, the planner's too) and its
+    helm test pod, a
     stranger beside them, Prometheus, the router's clients (`client-N`, one per peer of
     the values' networkPolicy.routerFrom), and an impostor: a pod elsewhere wearing the
     router's labels. `network` is the values' `networkPolicy`."""
     home = namespace_labels(namespace)
     pdserve = [p for p in release.pods if p.role.is_pdserve]
     found = {p.role.value: Peer(p.role.value, p.labels, home) for p in pdserve}
+    for planner in release.pods_of(Role.PLANNER):
+        found["planner"] = Peer("planner", planner.labels, home)
     found["test"] = next(Peer("test", p.labels, home) for p in release.pods if p.is_test_hook)
     found["stranger"] = Peer("stranger", {"app": "stranger"}, home)
     found["prometheus"] = _peer_like("prometheus", network["prometheus"], home)

@@ -15,6 +15,7 @@ import opentelemetry.sdk.environment_variables as otel_sdk_variables
 from chart_objects import Role, command_line
 
 from pdserve.core import flags
+from pdserve.planner.config import PlannerConfig
 from pdserve.router.config import RouterConfig
 from pdserve.worker.config import WorkerConfig
 
@@ -23,6 +24,15 @@ CONFIGS: dict[Role, type] = {
     Role.PREFILL: WorkerConfig,
     Role.DECODE: WorkerConfig,
     Role.BOTH: WorkerConfig,
+    Role.PLANNER: PlannerConfig,
+}
+# the words after `pdserve` that start each role's process
+SUBCOMMANDS: dict[Role, tuple[str, ...]] = {
+    Role.ROUTER: ("router",),
+    Role.PREFILL: ("serve", "prefill"),
+    Role.DECODE: ("serve", "decode"),
+    Role.BOTH: ("serve", "both"),
+    Role.PLANNER: ("planner",),
 }
 # the OpenTelemetry SDK's own variables (what its exporters and resource detector read)
 OTEL_VARIABLES = frozenset(
@@ -37,7 +47,7 @@ REFERENCE = re.compile(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 def program(role: Role) -> str:
     """The command a `role` container runs."""
-    return "pdserve router" if role is Role.ROUTER else f"pdserve serve {role.value}"
+    return " ".join(("pdserve", *SUBCOMMANDS[role]))
 
 
 def readable(config_cls: type) -> dict[str, flags.Setting]:
@@ -115,9 +125,9 @@ class _StrictParser(argparse.ArgumentParser):
 
 def args_problems(container: Mapping, role: Role) -> list[str]:
     """What the process's own parser refuses in the container's arguments (after
-    `router` or `serve`): an unknown flag, a value that does not parse."""
+    `router`, `serve` or `planner`): an unknown flag, a value that does not parse."""
     words = command_line(container)
-    words = words[words.index("router" if role is Role.ROUTER else "serve") + 1 :]
+    words = words[words.index(SUBCOMMANDS[role][0]) + 1 :]
     known = {e["name"]: e.get("value") for e in container.get("env", [])}
     words = [expand(w, known) or w for w in words]
     parser = _StrictParser(prog=program(role), add_help=False)

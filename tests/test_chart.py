@@ -55,12 +55,25 @@ REQUIRED_SCENARIOS = {
         and v["metrics"]["serviceMonitor"]["enabled"]
         and v["metrics"]["prometheusRule"]["enabled"]
     ),
-    "secure": lambda v: v["networkPolicy"]["enabled"] and v["redis"]["auth"]["existingSecret"],
+    "secure": lambda v: (
+        v["networkPolicy"]["enabled"]
+        and v["redis"]["auth"]["existingSecret"]
+        and v["tls"]["enabled"]
+        and v["apiKeys"]["enabled"]
+    ),
 }
 POOLS = {"router": Role.ROUTER, "prefill": Role.PREFILL, "decode": Role.DECODE, "both": Role.BOTH}
 GRPC_PORT, HTTP_PORT, METRICS_PORT, REDIS_PORT = "grpc", "http", "metrics", 6379
+HEALTH_PORT, KV_PORT = "health", "kv"
 MODEL_MOUNT = "/model"  # the image's PDSERVE_MODEL
 ENDPOINTSLICE_READ = {"get", "list", "watch"}
+SCALE_VERBS = {"get", "patch", "update"}  # the most the planner's Role may allow
+PLANNED_POOLS = (Role.PREFILL, Role.DECODE)
+PLANNER = {
+    "enabled": True,
+    "record": {"configMap": "bench-record"},
+    "prometheusUrl": "http://prometheus.monitoring:9090",
+}
 
 
 def per_scenario(test):
@@ -139,6 +152,32 @@ SCHEMA_REFUSALS = {
         {"discovery": {"mode": "kubernetes"}, "both": {"enabled": True}},
         "/both/enabled",
     ),
+    "the planner and an HPA on the prefill pool": (
+        {"planner": PLANNER, "prefill": {"autoscaling": {"enabled": True}}},
+        "/prefill/autoscaling/enabled",
+    ),
+    "the planner and an HPA on the decode pool": (
+        {"planner": PLANNER, "decode": {"autoscaling": {"enabled": True}}},
+        "/decode/autoscaling/enabled",
+    ),
+    "the planner without its bench record": (
+        {"planner": {**PLANNER, "record": {"configMap": ""}}},
+        "/planner/record/configMap",
+    ),
+    "the planner without Prometheus": (
+        {"planner": {**PLANNER, "prometheusUrl": ""}},
+        "/planner/prometheusUrl",
+    ),
+    "planner bounds of zero": (
+        {"planner": {**PLANNER, "decode": {"minReplicas": 0, "maxReplicas": 2}}},
+        "/planner/decode/minReplicas",
+    ),
+    "cert-manager TLS without an issuer": ({"tls": {"enabled": True}}, "/issuerRef/name"),
+    "TLS from Secrets without the router's": (
+        {"tls": {"enabled": True, "source": "secrets"}},
+        "/tls/secrets/router",
+    ),
+    "API keys without their Secret": ({"apiKeys": {"enabled": True}}, "/apiKeys/existingSecret"),
 }
 
 
@@ -272,8 +311,12 @@ def test_the_cpu_scenario_asks_for_no_gpu_and_the_gpu_scenario_for_both_pools():
 
 @per_scenario
 def test_every_pdserve_container_is_probed_over_grpc(name):
-    for pod in rendered(name).pdserve_pods():
-        grpc_port = pod.container_port(GRPC_PORT)
+    """On its gRPC port, or under TLS its plaintext health port (the kubelet has no
+    certificate)."""
+    r = rendered(name)
+    for pod in r.pdserve_pods():
+        grpc_port = pod.container_port(HEALTH_PORT if r.values["tls"]["enabled"] else GRPC_PORT)
+        assert grpc_port is not None, pod.name
         for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
             probe = pod.main.get(kind)
             assert probe is not None, f"{pod.name} has no {kind}"
@@ -299,9 +342,84 @@ def test_by_default_the_model_is_mounted_at_the_images_model_path():
 
 
 @per_scenario
-def test_every_server_serves_plaintext_on_all_addresses_by_saying_so(name):
-    for pod in rendered(name).pdserve_pods():
-        assert pod.env.get("PDSERVE_INSECURE") == "true", pod.name
+def test_every_server_serves_plaintext_beyond_loopback_only_without_tls_and_by_saying_so(name):
+    r = rendered(name)
+    for pod in r.pdserve_pods():
+        want = None if r.values["tls"]["enabled"] else "true"
+        assert pod.env.get("PDSERVE_INSECURE") == want, pod.name
+
+
+def mounted_secret_file(release, pod: Pod, path: str) -> tuple[str, str]:
+    """(Secret, key) of the file at `path` in the pod's main container, which must come
+    from a read-only mount of a Secret volume."""
+    volumes = {v["name"]: v for v in pod.spec.get("volumes", [])}
+    for mount in pod.main.get("volumeMounts", []):
+        prefix = mount["mountPath"].rstrip("/") + "/"
+        if not path.startswith(prefix):
+            continue
+        assert mount.get("readOnly") is True, (pod.name, mount)
+        secret = volumes[mount["name"]]["secret"]
+        file = path.removeprefix(prefix)
+        keys = {i["path"]: i["key"] for i in secret.get("items", [])} or {file: file}
+        return secret["secretName"], keys[file]
+    raise AssertionError(f"{pod.name}: nothing mounted at {path}")
+
+
+def test_under_tls_every_server_reads_its_roles_certificate_with_the_role_as_its_ou():
+    r = rendered("secure")
+    certificates = {c["spec"]["secretName"]: c for c in r.release.of_kind("Certificate")}
+    for pod in r.pdserve_pods():
+        env = pod.env
+        files = [
+            mounted_secret_file(r.release, pod, env[f"PDSERVE_TLS_{part}"])
+            for part in ("CERT", "KEY", "CA")
+        ]
+        assert [key for _, key in files] == ["tls.crt", "tls.key", "ca.crt"], pod.name
+        [secret] = {name for name, _ in files}
+        certificate = certificates[secret]["spec"]
+        assert certificate["subject"]["organizationalUnits"] == [pod.role.value], pod.name
+        assert {"server auth", "client auth"} <= set(certificate["usages"]), pod.name
+        assert (
+            certificate["issuerRef"]["name"] == r.values["tls"]["certManager"]["issuerRef"]["name"]
+        )
+        assert int(env["PDSERVE_HEALTH_PORT"]) == pod.container_port(HEALTH_PORT), pod.name
+        assert env["PDSERVE_TLS_SERVER_NAME"] in certificate["dnsNames"], pod.name
+
+
+def test_tls_from_given_secrets_makes_no_certificates():
+    secrets = {"router": "r-tls", "prefill": "p-tls", "decode": "d-tls"}
+    release = chart_render.release_of(
+        {
+            "tls": {"enabled": True, "source": "secrets", "secrets": secrets},
+            "redis": {"auth": {"password": "x"}},
+        }
+    )
+    assert not release.of_kind("Certificate")
+    for pod in [p for p in release.pods if p.role.is_pdserve]:
+        secret, _ = mounted_secret_file(release, pod, pod.env["PDSERVE_TLS_CERT"])
+        assert secret == secrets[pod.role.value], pod.name
+
+
+@per_scenario
+def test_decode_workers_take_the_kv_push_on_their_own_kv_port(name):
+    r = rendered(name)
+    for pod in r.pdserve_pods():
+        kv = r.values["ports"]["kv"] if pod.role in (Role.DECODE, Role.BOTH) else None
+        assert pod.container_port(KV_PORT) == kv, pod.name
+        assert pod.env.get("PDSERVE_KV_PORT") == (None if kv is None else str(kv)), pod.name
+
+
+@per_scenario
+def test_the_router_reads_its_api_keys_from_their_secret_when_keys_are_on(name):
+    r = rendered(name)
+    keys = r.values["apiKeys"]
+    for pod in r.pdserve_pods():
+        path = pod.env.get("PDSERVE_API_KEY_FILE")
+        if pod.role is not Role.ROUTER or not keys["enabled"]:
+            assert path is None, pod.name
+            continue
+        secret = mounted_secret_file(r.release, pod, path)
+        assert secret == (keys["existingSecret"], keys["key"]), pod.name
 
 
 @per_scenario
@@ -314,6 +432,21 @@ def test_every_pdserve_variable_and_flag_is_one_the_program_reads(name):
         for problem in env_problems(pod.main, pod.role, user_names):
             problems.append(f"{pod.name}: {problem}")
         problems += [f"{pod.name}: {p}" for p in args_problems(pod.main, pod.role)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_routers_queue_settings_reach_it():
+    values = {
+        "router": {"maxQueuedRequests": 32, "queueTimeout": 2.5},
+        "redis": {"auth": {"password": "x"}},
+    }
+    release = chart_render.release_of(values)
+    [router] = release.pods_of(Role.ROUTER)
+    assert (router.env["PDSERVE_MAX_QUEUED_REQUESTS"], router.env["PDSERVE_QUEUE_TIMEOUT"]) == (
+        "32",
+        "2.5",
+    )
+    problems = env_problems(router.main, router.role, set())
     assert not problems, "\n".join(problems)
 
 
@@ -378,11 +511,11 @@ def test_worker_services_name_their_grpc_port_and_discovery_watches_them(name):
 
 
 @per_scenario
-def test_only_the_router_in_kubernetes_discovery_gets_an_api_token(name):
+def test_only_the_router_in_kubernetes_discovery_and_the_planner_get_an_api_token(name):
     r = rendered(name)
     kubernetes = r.values["discovery"]["mode"] == "kubernetes"
     for pod in r.all_pods():
-        wanted = kubernetes and pod.role is Role.ROUTER
+        wanted = (kubernetes and pod.role is Role.ROUTER) or pod.role is Role.PLANNER
         assert r.release.token_mounted(pod) is wanted, pod.name
 
 
@@ -392,6 +525,8 @@ def test_the_router_may_only_read_endpointslices(name):
     accounts = {p.spec.get("serviceAccountName", "default"): p.role for p in r.all_pods()}
     for account, role in accounts.items():
         rules = r.release.rules_of_account(account)
+        if role is Role.PLANNER:
+            continue  # the next test's
         if role is not Role.ROUTER or r.values["discovery"]["mode"] != "kubernetes":
             assert not rules, (account, rules)
             continue
@@ -404,11 +539,73 @@ def test_the_router_may_only_read_endpointslices(name):
     assert not r.release.of_kind("ClusterRole") and not r.release.of_kind("ClusterRoleBinding")
 
 
+def test_the_planner_may_only_get_and_patch_the_scale_of_the_two_pools():
+    names = with_feature(lambda v: v["planner"]["enabled"])
+    for name in names:
+        r = rendered(name)
+        [planner] = r.release.pods_of(Role.PLANNER)
+        rules = r.release.rules_of_account(planner.spec["serviceAccountName"])
+        pools = sorted(r.release.workload_of(role)["metadata"]["name"] for role in PLANNED_POOLS)
+        assert rules, "the planner needs to scale the pools"
+        for rule in rules:
+            assert rule["apiGroups"] == ["apps"], rule
+            assert rule["resources"] == ["deployments/scale"], rule
+            assert sorted(rule["resourceNames"]) == pools, rule
+            assert set(rule["verbs"]) <= SCALE_VERBS, rule
+        assert {"get", "patch"} <= set().union(*(rule["verbs"] for rule in rules))
+
+
+def test_no_planner_by_default():
+    assert not rendered("default").release.pods_of(Role.PLANNER)
+    assert not rendered("default").values["planner"]["enabled"]
+
+
+@per_scenario
+def test_the_planner_scales_the_pools_deployments_within_its_bounds(name):
+    r = rendered(name)
+    planners = r.release.pods_of(Role.PLANNER)
+    if not r.values["planner"]["enabled"]:
+        assert not planners
+        return
+    [planner] = planners
+    env = planner.env
+    assert planner.owner["spec"]["replicas"] == 1  # two would each decide alone
+    for role in PLANNED_POOLS:
+        workload = r.release.workload_of(role)
+        assert env[f"PDSERVE_{role.name}_DEPLOYMENT"] == workload["metadata"]["name"]
+        assert "replicas" not in workload["spec"], "an upgrade would reset the planner's scale"
+        bounds = r.values["planner"][role.value]
+        assert (int(env[f"PDSERVE_MIN_{role.name}"]), int(env[f"PDSERVE_MAX_{role.name}"])) == (
+            bounds["minReplicas"],
+            bounds["maxReplicas"],
+        )
+    assert env["PDSERVE_NAMESPACE"] == NAMESPACE
+    volumes = {v["name"]: v for v in planner.spec["volumes"]}
+    [record] = [
+        m for m in planner.main["volumeMounts"] if env["PDSERVE_RECORD"].startswith(m["mountPath"])
+    ]
+    assert (
+        volumes[record["name"]]["configMap"]["name"] == r.values["planner"]["record"]["configMap"]
+    )
+    problems = env_problems(planner.main, Role.PLANNER, set()) + args_problems(
+        planner.main, Role.PLANNER
+    )
+    assert not problems, "\n".join(problems)
+
+
+def test_the_chart_refuses_planner_bounds_whose_min_is_over_their_max():
+    values = {"planner": {**PLANNER, "prefill": {"minReplicas": 3, "maxReplicas": 2}}}
+    with pytest.raises(helm.HelmRenderError, match="planner.prefill: minReplicas 3 is over"):
+        chart_render.render(values)
+
+
 # -- NetworkPolicy --------------------------------------------------------------------------
 
 
-# destination role -> the peers that may open its gRPC port
-GRPC_CLIENTS = {Role.PREFILL: {"router"}, Role.DECODE: {"router", "prefill"}}
+# destination role -> the peers that may open its gRPC port (a decode worker's: the prefill
+# workers too when the KV push shares it, without a KV port)
+GRPC_CLIENTS = {Role.PREFILL: {"router"}, Role.DECODE: {"router"}}
+KV_PUSHERS = {"prefill", "both"}  # who may open a KV port
 
 
 @per_scenario
@@ -420,9 +617,10 @@ def test_network_policies_admit_only_the_paths_pdserve_uses(name):
         return
     who = probe_peers(r.release, NAMESPACE, r.values["networkPolicy"])
     anyone_to_router = not r.values["networkPolicy"]["routerFrom"]
+    kv_port = r.values["ports"]["kv"] is not None
     denied = []
     for dst in r.pdserve_pods():
-        for peer, may in _expected_access(dst.role, who, anyone_to_router):
+        for peer, may in _expected_access(dst.role, who, anyone_to_router, kv_port):
             for port, allowed in may.items():
                 if dst.container_port(port) is None:
                     continue  # the router without its HTTP API
@@ -434,20 +632,31 @@ def test_network_policies_admit_only_the_paths_pdserve_uses(name):
             allowed = peer in redis_users
             if admits(policies, NAMESPACE, redis, who[peer], REDIS_PORT) != allowed:
                 denied.append(f"{peer} -> redis should be {allowed}")
+    for planner in r.release.pods_of(Role.PLANNER):
+        for peer in who:
+            if admits(policies, NAMESPACE, planner, who[peer], 1):  # any port
+                denied.append(f"{peer} -> planner should be False")
     assert not denied, "\n".join(denied)
 
 
-def _expected_access(role: Role, who: dict[str, Peer], anyone_to_router: bool):
+def _expected_access(role: Role, who: dict[str, Peer], anyone_to_router: bool, kv_port: bool):
     """(peer, {port: whether it may connect}) for every peer of a pdserve pod: Prometheus
-    alone scrapes; the router takes its clients (the helm test's pod among them); a
-    worker pool takes the pods that call it."""
+    alone scrapes; the router takes its clients (the helm test's pod among them), and the
+    helm test alone its health port; a worker pool takes the pods that call it, a KV port
+    the pods that push KV, and nobody its health port (the kubelet's probes are not
+    subject to policies). The planner reaches nothing."""
     for peer in who:
-        may = {METRICS_PORT: peer == "prometheus"}
+        may = {METRICS_PORT: peer == "prometheus", KV_PORT: peer in KV_PUSHERS}
         if role is Role.ROUTER:
             client = anyone_to_router or peer == "test" or peer.startswith("client-")
             may[GRPC_PORT] = may[HTTP_PORT] = client
+            may[HEALTH_PORT] = peer == "test"
         else:  # a colocated pool has the router's calls only
-            may[GRPC_PORT] = peer in GRPC_CLIENTS.get(role, {"router"})
+            clients = GRPC_CLIENTS.get(role, {"router"})
+            if role is Role.DECODE and not kv_port:
+                clients = clients | {"prefill"}
+            may[GRPC_PORT] = peer in clients
+            may[HEALTH_PORT] = False
         yield peer, may
 
 
@@ -483,6 +692,8 @@ def test_no_rollout_or_disruption_budget_takes_a_whole_pool_down(name):
             workload = pod.owner
             hpa = hpas.get(workload["metadata"]["name"])
             replicas = hpa["spec"]["minReplicas"] if hpa else workload["spec"].get("replicas", 1)
+            if r.values["planner"]["enabled"] and role in PLANNED_POOLS:
+                replicas = r.values["planner"][role.value]["minReplicas"]
             strategy = workload["spec"].get("strategy", {})
             assert strategy.get("type", "RollingUpdate") == "RollingUpdate", pod.name
             rolling = strategy.get("rollingUpdate", {})
@@ -509,7 +720,8 @@ def test_the_helm_test_checks_the_routers_grpc_health(name):
         for s in r.release.of_kind("Service")
         if {p.role for p in r.release.service_pods(s)} == {Role.ROUTER}
     ]
-    [port] = [p["port"] for p in router_service["spec"]["ports"] if p.get("name") == GRPC_PORT]
+    health = HEALTH_PORT if r.values["tls"]["enabled"] else GRPC_PORT  # plaintext under TLS
+    [port] = [p["port"] for p in router_service["spec"]["ports"] if p.get("name") == health]
     service = router_service["metadata"]["name"]
     address = re.compile(rf"{service}(\.{NAMESPACE}(\.svc(\.cluster\.local)?)?)?:{port}")
     for pod in tests:

@@ -23,7 +23,7 @@ Called with (dict "root" $ "role" "decode" "spec" .Values.decode).
   (list "PDSERVE_MODEL" $root.Values.model.path)
   (list "PDSERVE_HOST" "0.0.0.0")
   (list "PDSERVE_PORT" $root.Values.ports.grpc)
-  (list "PDSERVE_INSECURE" "true")
+  (list "PDSERVE_INSECURE" (ternary nil "true" $root.Values.tls.enabled))
   (list "PDSERVE_GRACE" .spec.grace)
   (list "PDSERVE_LOG_FORMAT" $root.Values.logging.format)
   (list "PDSERVE_LOG_LEVEL" $root.Values.logging.level)
@@ -33,6 +33,7 @@ Called with (dict "root" $ "role" "decode" "spec" .Values.decode).
 - name: PDSERVE_METRICS_PORT
   value: {{ ternary (toString $root.Values.ports.metrics) "" $root.Values.metrics.enabled | quote }}
 {{- end }}
+{{- include "pdserve.tlsEnv" $ctx }}
 {{- if eq .role "router" }}
 {{- include "pdserve.routerEnv" $ctx }}
 {{- else }}
@@ -59,6 +60,9 @@ Called with (dict "root" $ "role" "decode" "spec" .Values.decode).
   (list "PDSERVE_MAX_INFLIGHT" $spec.maxInflight)
   (list "PDSERVE_MAX_ATTEMPTS" $spec.maxAttempts)
   (list "PDSERVE_LEASE_TTL" $spec.leaseTtl)
+  (list "PDSERVE_MAX_QUEUED_REQUESTS" $spec.maxQueuedRequests)
+  (list "PDSERVE_QUEUE_TIMEOUT" $spec.queueTimeout)
+  (list "PDSERVE_API_KEY_FILE" (ternary (printf "%s/%s" $root.Values.apiKeys.mountPath $root.Values.apiKeys.key) nil $root.Values.apiKeys.enabled))
 )) }}
 {{- if include "pdserve.kubernetesDiscovery" $root }}
 {{- include "pdserve.envPairs" (dict "skip" .skip "pairs" (list
@@ -94,9 +98,25 @@ over the chart's), and the registry it publishes to under Redis discovery. */}}
   (list "PDSERVE_ENABLE_CHUNKED_PREFILL" $engine.enableChunkedPrefill)
   (list "PDSERVE_SEED" $engine.seed)
   (list "PDSERVE_THREADS" .spec.threads)
+  (list "PDSERVE_KV_PORT" (ternary .root.Values.ports.kv nil (eq (include "pdserve.kvPort" .) "true")))
 )) }}
 {{- if not (include "pdserve.kubernetesDiscovery" .root) }}
 {{- include "pdserve.redisEnv" . }}
+{{- end }}
+{{- end }}
+
+{{/* TLS: the role's certificate, key and CA as mounted from its Secret, and the
+plaintext health-only port the probes ask. */}}
+{{- define "pdserve.tlsEnv" -}}
+{{- $tls := .root.Values.tls }}
+{{- if $tls.enabled }}
+{{- include "pdserve.envPairs" (dict "skip" .skip "pairs" (list
+  (list "PDSERVE_TLS_CERT" (printf "%s/tls.crt" $tls.mountPath))
+  (list "PDSERVE_TLS_KEY" (printf "%s/tls.key" $tls.mountPath))
+  (list "PDSERVE_TLS_CA" (printf "%s/ca.crt" $tls.mountPath))
+  (list "PDSERVE_TLS_SERVER_NAME" (include "pdserve.tlsServerName" .root))
+  (list "PDSERVE_HEALTH_PORT" .root.Values.ports.health)
+)) }}
 {{- end }}
 {{- end }}
 

@@ -150,9 +150,59 @@ seconds to close (spans flushed, the model's memory freed). */}}
 {{- add (int .preStopSleepSeconds) (int (ceil .grace)) 10 }}
 {{- end }}
 
-{{/* The fewest pods a role runs: its autoscaler's minReplicas, else its replicas. */}}
+{{/* The fewest pods a role runs: (dict "root" $ "role" "decode" "spec" .Values.decode):
+the planner's minReplicas for a pool it scales, else its autoscaler's, else its replicas. */}}
 {{- define "pdserve.minReplicas" -}}
-{{- if .autoscaling.enabled }}{{ .autoscaling.minReplicas }}{{ else }}{{ .replicas }}{{ end }}
+{{- if include "pdserve.plannerScales" . }}{{ (index .root.Values.planner .role).minReplicas }}
+{{- else if .spec.autoscaling.enabled }}{{ .spec.autoscaling.minReplicas }}
+{{- else }}{{ .spec.replicas }}{{ end }}
+{{- end }}
+
+{{/* Whether the planner scales this role's Deployment ("true" or ""): the prefill and
+decode pools, when planner.enabled. (dict "root" $ "role" "decode") */}}
+{{- define "pdserve.plannerScales" -}}
+{{- if and .root.Values.planner.enabled (has .role (list "prefill" "decode")) }}true{{ end }}
+{{- end }}
+
+{{/* The planner's ServiceAccount name. */}}
+{{- define "pdserve.plannerServiceAccount" -}}
+{{- if .Values.serviceAccount.create }}
+{{- .Values.serviceAccount.plannerName | default (printf "%s-planner" (include "pdserve.fullname" .)) }}
+{{- else }}
+{{- .Values.serviceAccount.plannerName | default "default" }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret holding a role's TLS certificate, key and CA: (dict "root" $ "role" "decode").
+cert-manager's Certificate writes <fullname>-<role>-tls; with source `secrets`, yours. */}}
+{{- define "pdserve.tlsSecretName" -}}
+{{- $tls := .root.Values.tls }}
+{{- if eq $tls.source "secrets" }}
+{{- $name := index $tls.secrets .role }}
+{{- if not $name }}
+{{- fail (printf "tls.secrets.%s: the %s pods need a TLS Secret (tls.source is secrets)" .role .role) }}
+{{- end }}
+{{- $name }}
+{{- else }}
+{{- printf "%s-tls" (include "pdserve.componentName" (dict "root" .root "component" .role)) }}
+{{- end }}
+{{- end }}
+
+{{/* The name checked in every worker's certificate in place of the pod IP dialled. */}}
+{{- define "pdserve.tlsServerName" -}}
+{{- .Values.tls.serverName | default (printf "%s.%s.svc" (include "pdserve.fullname" .) .Release.Namespace) }}
+{{- end }}
+
+{{/* Whether a role takes KV pushes on a port of its own ("true" or ""): decode and both
+workers, when ports.kv is set. (dict "root" $ "role" "decode") */}}
+{{- define "pdserve.kvPort" -}}
+{{- if and (has .role (list "decode" "both")) (not (kindIs "invalid" .root.Values.ports.kv)) }}true{{ end }}
+{{- end }}
+
+{{/* The port the probes and `helm test` ask grpc.health.v1 on: the plaintext health port
+under TLS, else the gRPC port. */}}
+{{- define "pdserve.healthPort" -}}
+{{- if .Values.tls.enabled }}{{ .Values.ports.health }}{{ else }}{{ .Values.ports.grpc }}{{ end }}
 {{- end }}
 
 {{/* An IntOrString count ("25%" or 2) of `replicas` pods, as Kubernetes rounds it for the

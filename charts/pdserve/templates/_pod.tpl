@@ -18,7 +18,8 @@ metadata:
   labels:
     {{- include "pdserve.componentLabels" $component | nindent 4 }}
 spec:
-  {{- if not $spec.autoscaling.enabled }}
+  {{- /* an autoscaler's or the planner's to set: an upgrade would reset it */}}
+  {{- if not (or $spec.autoscaling.enabled (include "pdserve.plannerScales" .)) }}
   replicas: {{ $spec.replicas }}
   {{- end }}
   revisionHistoryLimit: 5
@@ -52,7 +53,7 @@ spec:
 {{/* Refuses a rolling update that could stop every pod of a role at once: no surge pod
 and maxUnavailable as many as the role's fewest pods. */}}
 {{- define "pdserve.checkRollout" -}}
-{{- $replicas := include "pdserve.minReplicas" .spec | int }}
+{{- $replicas := include "pdserve.minReplicas" . | int }}
 {{- $rolling := .spec.rollingUpdate }}
 {{- $surge := include "pdserve.scaledCount" (dict "value" ($rolling.maxSurge | default 0) "replicas" $replicas "roundUp" true) | int }}
 {{- $down := include "pdserve.scaledCount" (dict "value" ($rolling.maxUnavailable | default 0) "replicas" $replicas "roundUp" false) | int }}
@@ -151,6 +152,16 @@ containers:
         containerPort: {{ $root.Values.ports.metrics }}
         protocol: TCP
       {{- end }}
+      {{- if $root.Values.tls.enabled }}
+      - name: health
+        containerPort: {{ $root.Values.ports.health }}
+        protocol: TCP
+      {{- end }}
+      {{- if include "pdserve.kvPort" . }}
+      - name: kv
+        containerPort: {{ $root.Values.ports.kv }}
+        protocol: TCP
+      {{- end }}
     env:
       {{- include "pdserve.env" . | trim | nindent 6 }}
     {{- with $spec.extraEnvFrom }}
@@ -176,6 +187,16 @@ containers:
         mountPath: /tmp
       - name: home
         mountPath: /home/pdserve
+      {{- if $root.Values.tls.enabled }}
+      - name: tls
+        mountPath: {{ $root.Values.tls.mountPath }}
+        readOnly: true
+      {{- end }}
+      {{- if and $isRouter $root.Values.apiKeys.enabled }}
+      - name: api-keys
+        mountPath: {{ $root.Values.apiKeys.mountPath }}
+        readOnly: true
+      {{- end }}
       {{- with $spec.extraVolumeMounts }}
       {{- toYaml . | nindent 6 }}
       {{- end }}
@@ -187,6 +208,24 @@ volumes:
   - name: home
     emptyDir:
       sizeLimit: {{ $root.Values.tmpSizeLimit }}
+  {{- if $root.Values.tls.enabled }}
+  - name: tls
+    secret:
+      secretName: {{ include "pdserve.tlsSecretName" (dict "root" $root "role" .role) }}
+      defaultMode: 0440
+      items:
+        - {key: tls.crt, path: tls.crt}
+        - {key: tls.key, path: tls.key}
+        - {key: ca.crt, path: ca.crt}
+  {{- end }}
+  {{- if and $isRouter $root.Values.apiKeys.enabled }}
+  - name: api-keys
+    secret:
+      secretName: {{ $root.Values.apiKeys.existingSecret }}
+      defaultMode: 0440
+      items:
+        - {key: {{ $root.Values.apiKeys.key }}, path: {{ $root.Values.apiKeys.key }}}
+  {{- end }}
   {{- with $spec.extraVolumes }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
@@ -207,9 +246,10 @@ volumes:
 {{/* Native gRPC probes of the standard grpc.health.v1 service, which a pdserve server
 answers NOT_SERVING until its model is loaded and again while it drains: the startup
 probe waits out the loading, readiness takes a draining pod out of its Services, and
-liveness restarts a server that stopped answering. */}}
+liveness restarts a server that stopped answering. The kubelet speaks plaintext, so under
+TLS they ask the health-only port. */}}
 {{- define "pdserve.probes" -}}
-{{- $port := .root.Values.ports.grpc }}
+{{- $port := include "pdserve.healthPort" .root }}
 {{- range $probe := list "startup" "liveness" "readiness" }}
 {{ $probe }}Probe:
   grpc:
