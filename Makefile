@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup prometheus test run lint format protos clean docker chart-golden chart-readme
+.PHONY: help setup prometheus test soak run lint format protos clean docker chart-golden chart-readme
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -23,8 +23,16 @@ setup:  ## create .venv, install torch and pdserve with the dev and bench extras
 prometheus:  ## install Debian's prometheus package (promtool too) if missing and possible
 	@sh scripts/setup_prometheus.sh
 
+# Test modules run on TEST_WORKERS processes (pytest-xdist), each module whole on one, so
+# a module's shared cluster is started once: most of a module's time is its processes
+# waiting on each other, which another module's can fill. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test:  ## run the test suite (real Redis, real gRPC, real torch)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+SOAK_MINUTES ?= 30
+soak:  ## the soak run (not in CI): a supervised cluster, mixed load, random faults, SOAK_MINUTES long
+	$(BIN)/python bench/soak.py --minutes $(SOAK_MINUTES) --out bench-results/soak.json
 
 run:  ## pdserve up: Redis, 1 prefill + 1 decode worker, a router (gRPC :50051, OpenAI HTTP :8000; Ctrl-C stops)
 	$(BIN)/pdserve up --http-port 8000 $(UP_ARGS)

@@ -22,6 +22,15 @@ from pdserve.bench.component import alternate
 from pdserve.bench.loadgen import RequestResult
 from pdserve.bench.machine import CpuWindow, cpu_seconds
 from pdserve.bench.metrics import SLO, goodput, percentile, slo_attainment, summarize
+from pdserve.bench.plots import plot_cdfs, plot_latency_vs_rate
+from pdserve.bench.report import (
+    BenchResult,
+    ConfigRun,
+    RateRun,
+    markdown,
+    slo_grid_cells,
+    to_json,
+)
 from pdserve.bench.workload import (
     FIRST_PROMPT_ID,
     MIXED,
@@ -184,6 +193,99 @@ def test_slo_attainment_judges_each_measured_request_against_both_slos():
     assert slo_attainment([], SLO(ttft_ms=1, tpot_ms=1)) == 0.0
 
 
+# -- SLOs relative to the solo calibration, the grid ----------------------------------------
+
+RELATIVE = SLO(200, 50, ttft_scale=3).calibrated(
+    {"short": {"ttft_ms": 40.0, "tpot_ms": 14.0}, "long": {"ttft_ms": 900.0, "tpot_ms": 15.0}}
+)
+
+
+def test_a_relative_ttft_slo_is_scale_times_each_kinds_median_alone_but_never_below_the_floor():
+    assert RELATIVE.ttft_ms_for("short") == 200  # 3 x 40 = 120: the floor
+    assert RELATIVE.ttft_ms_for("long") == 2700
+    assert RELATIVE.ttft_ms_for("uncalibrated") == 200
+    assert SLO(8000, 50).calibrated({"long": {"ttft_ms": 900.0}}).ttft_ms_for("long") == 8000
+    assert RELATIVE.ttft_text() == "TTFT <= 3x alone (>= 200 ms)"
+    with pytest.raises(ValueError, match="scale"):
+        SLO(200, 50, ttft_scale=0)
+
+
+def test_each_request_is_judged_against_its_own_kinds_ttft_slo():
+    short_at_1s = finished(0, ttft=1.0, gap=0.01, tokens=4, kind="short")
+    long_at_1s = finished(1, ttft=1.0, gap=0.01, tokens=4, kind="long")
+    assert not RELATIVE.met_by(short_at_1s)
+    assert RELATIVE.met_by(long_at_1s)
+    assert slo_attainment([short_at_1s, long_at_1s], RELATIVE) == 0.5
+
+
+def test_the_grid_halves_and_doubles_both_slos_and_marks_the_pair_asked_for():
+    cells = slo_grid_cells(RELATIVE)
+    assert [[requested for _, requested in row] for row in cells] == [
+        [False, False, False],
+        [False, True, False],
+        [False, False, False],
+    ]
+    tighter = cells[0][0][0]
+    assert (tighter.ttft_scale, tighter.ttft_ms, tighter.tpot_ms) == (1.5, 100, 25)
+    assert tighter.ttft_ms_for("long") == 1350
+
+
+def two_kind_result(tmp_path) -> BenchResult:
+    """A crafted two-rate run of the mixed workload's kinds, one configuration."""
+    solo = {
+        "decode-heavy": {"ttft_ms": 40.0, "tpot_ms": 14.0},
+        "long-prompt": {"ttft_ms": 900.0, "tpot_ms": 15.0},
+    }
+    slo = SLO(200, 50, ttft_scale=3).calibrated(solo)
+    runs = []
+    for rate, ttft in ((1.0, 0.1), (2.0, 3.0)):
+        results = [
+            finished(0, ttft=ttft, gap=0.02, tokens=8, kind="decode-heavy"),
+            finished(1, ttft=ttft * 10, gap=0.02, tokens=8, kind="long-prompt"),
+        ]
+        runs.append(RateRun(rate, summarize(rate, results, slo), results))
+    config = ConfigRun("disaggregated", "127.0.0.1:1", solo=solo, runs=runs)
+    return BenchResult(MIXED, [1.0, 2.0], 10, 10, 0, 0, slo, "cmd", "m", {}, [config])
+
+
+def test_the_record_keeps_its_shape_and_adds_each_kinds_slo_and_the_grid(tmp_path):
+    data = to_json(two_kind_result(tmp_path))
+    [config] = data["configs"]
+    request = config["runs"][0]["requests"][0]
+    assert {"kind", "warmup", "token_times"} <= request.keys()
+    assert data["slo"]["ttft_scale"] == 3
+    assert data["slo"]["ttft_ms_by_kind"] == {"decode-heavy": 200, "long-prompt": 2700}
+    asked = [cell for cell in data["slo_grid"] if cell["requested"]]
+    assert len(data["slo_grid"]) == 9 and len(asked) == 1
+    # at 1 req/s both kinds are within (100 ms <= 200, 1 s <= 2.7 s); at 2 req/s neither
+    assert asked[0]["goodput_rps"] == {"disaggregated": 1.0}
+    assert config["goodput_rps"] == 1.0
+    text = markdown(two_kind_result(tmp_path), [])
+    assert "| TTFT <= 3x alone (>= 200 ms) |" in text and "**1**" in text
+    assert "decode-heavy 200 ms, long-prompt 2700 ms" in text
+
+
+def test_the_plots_draw_each_request_kind(tmp_path):
+    result = two_kind_result(tmp_path)
+    for plot in (plot_cdfs, plot_latency_vs_rate):
+        data = plot(result, tmp_path / f"{plot.__name__}.png").read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) < 200_000
+
+
+def test_ttft_slo_scale_makes_a_relative_slo_whose_floor_is_ttft_slo_ms():
+    from pdserve.commands.bench import BenchConfig
+
+    router = ["--router", "127.0.0.1:1"]
+    relative = BenchConfig.from_args(bench_args(*router, "--ttft-slo-scale", "3")).slo
+    assert (relative.ttft_scale, relative.ttft_ms) == (3, 200)
+    floor = BenchConfig.from_args(
+        bench_args(*router, "--ttft-slo-scale", "3", "--ttft-slo-ms", "500")
+    ).slo
+    assert floor.ttft_ms == 500
+    absolute = BenchConfig.from_args(bench_args(*router)).slo
+    assert (absolute.ttft_scale, absolute.ttft_ms) == (None, 2000)
+
+
 def test_bad_flags_fail_before_anything_starts(capsys):
     router = ["--router", "127.0.0.1:1"]  # never called: the flags fail first
     for argv in (
@@ -191,6 +293,7 @@ def test_bad_flags_fail_before_anything_starts(capsys):
         [*router, "--rates", "0,1"],
         [*router, "--prompt-len", "fixed:4"],
         [*router, "--rates", "1,2", "--timeline-rate", "3"],
+        [*router, "--ttft-slo-scale", "0"],
         ["--compare", "prefill:1"],
     ):
         args = bench_args(*argv)

@@ -239,9 +239,20 @@ def test_every_subcommand_lives_in_pdserve_commands():
         "generate",
         "status",
         "bench",
+        "keys",
+        "plan",
+        "planner",
+        "certs",
     }
-    for name, parser in subcommands.choices.items():
-        run = parser.get_default("run")
+
+    def runs(parser: argparse.ArgumentParser):
+        """The `run` of a command, or of each action of one that has actions (`keys`)."""
+        nested = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not nested:
+            return [parser.get_default("run")]
+        return [run for action in nested[0].choices.values() for run in runs(action)]
+
+    for name, run in [(n, r) for n, p in subcommands.choices.items() for r in runs(p)]:
         module = run.__module__
         assert module == "pdserve.commands" or module.startswith("pdserve.commands."), (
             name,
@@ -256,3 +267,77 @@ def test_every_config_field_is_a_setting():
         assert top <= {path[0] for path in paths}
     engine = {s.path[1] for s in settings(WorkerConfig) if s.path[0] == "engine"}
     assert engine == {f.name for f in dataclasses.fields(EngineConfig)}
+
+
+# -- connecting to a secured router: generate, status --router, bench --router --------------
+
+CONNECTING = {
+    "generate": ["generate", "Hello"],
+    "status": ["status", "--router", "127.0.0.1:1"],
+    "bench": ["bench", "--router", "127.0.0.1:1"],
+}
+
+
+@pytest.fixture
+def ca_file(tmp_path):
+    from pdserve.cluster.certs import ClusterCA
+
+    return ClusterCA(tmp_path / "ca").ca_path
+
+
+@pytest.mark.parametrize("command", sorted(CONNECTING))
+def test_the_router_commands_take_a_ca_and_an_api_key(command, ca_file, monkeypatch):
+    from pdserve.commands.connection import connection_from_args
+
+    monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
+    argv = [*CONNECTING[command], "--tls-ca", str(ca_file), "--api-key", "pds_flag"]
+    connection = connection_from_args(build_parser().parse_args(argv))
+    assert connection.credentials is not None
+    assert connection.client_kwargs["api_key"] == "pds_flag"
+    plaintext = connection_from_args(build_parser().parse_args(CONNECTING[command]))
+    assert plaintext.client_kwargs == {"credentials": None, "api_key": None}
+
+
+def test_the_api_key_and_ca_come_from_their_variables_and_a_flag_beats_its_variable(
+    ca_file, monkeypatch
+):
+    from pdserve.commands.connection import connection_from_args
+
+    monkeypatch.setenv("PDSERVE_API_KEY", "pds_variable")
+    monkeypatch.setenv("PDSERVE_TLS_CA", str(ca_file))
+    from_variables = connection_from_args(build_parser().parse_args(CONNECTING["status"]))
+    assert from_variables.api_key == "pds_variable" and from_variables.credentials is not None
+    argv = [*CONNECTING["status"], "--api-key", "pds_flag"]
+    assert connection_from_args(build_parser().parse_args(argv)).api_key == "pds_flag"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+        (["--tls-cert", "c.pem", "--tls-key", "k.pem"], "--tls-cert needs --tls-ca"),
+        (["--tls-ca", "/no/such/ca.crt"], "--tls-ca '/no/such/ca.crt': No such file"),
+    ],
+)
+def test_connection_flags_that_cannot_be_used_exit_with_a_usage_error_naming_them(
+    flags, message, capsys, monkeypatch
+):
+    for variable in ("PDSERVE_TLS_CA", "PDSERVE_TLS_CERT", "PDSERVE_TLS_KEY"):
+        monkeypatch.delenv(variable, raising=False)
+    assert main([*CONNECTING["generate"], *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve generate:") and message in err
+
+
+def test_up_takes_a_tls_dir_and_certs_its_options():
+    up = build_parser().parse_args(["up", "--tls-dir", "/tmp/certs"])
+    assert up.tls_dir == "/tmp/certs"
+    certs = build_parser().parse_args(["certs", "--out", "d", "--san", "a", "--san", "10.0.0.7"])
+    assert (certs.out, certs.san, certs.days, certs.force) == ("d", ["a", "10.0.0.7"], 90, False)
+
+
+def test_pdserve_certs_refuses_a_directory_that_is_not_empty(tmp_path, capsys):
+    (tmp_path / "someone.txt").write_text("theirs")
+    assert main(["certs", "--out", str(tmp_path)]) == 2
+    assert "is not empty (--force writes over it)" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["someone.txt"]

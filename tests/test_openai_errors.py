@@ -26,7 +26,8 @@ def cluster(demo_model_dir, tmp_path_factory):
         tmp_path_factory.mktemp("openai-errors"),
         http_port=0,
         served_model_name=MODEL,
-        router_args=["--max-inflight", str(MAX_INFLIGHT)],
+        # no admission queue: past the limit a request is refused at once
+        router_args=["--max-inflight", str(MAX_INFLIGHT), "--max-queued-requests", "0"],
     ) as local:
         yield local
 
@@ -107,6 +108,33 @@ def test_an_unknown_route_and_a_malformed_body_answer_in_openais_shape(cluster):
     )
     assert malformed.status_code == 400
     assert malformed.json()["error"]["type"] == "invalid_request_error"
+
+
+def _chunks(total: int, size: int = 64 << 10):
+    for _ in range(total // size):
+        yield b" " * size
+
+
+def test_a_body_past_the_limit_is_a_413_declared_or_chunked_and_the_server_serves_on(cluster):
+    url = f"{cluster.openai_url}/completions"
+    headers = {"content-type": "application/json"}
+    declared = httpx.post(url, content=b" " * (8 << 20), headers=headers)
+    chunked = httpx.post(url, content=_chunks(8 << 20), headers=headers)  # no Content-Length
+    for reply in (declared, chunked):
+        assert reply.status_code == 413
+        error = reply.json()["error"]
+        assert error["code"] == "body_too_large" and "bytes" in error["message"]
+    assert httpx.get(f"{cluster.openai_url}/models").status_code == 200
+
+
+def test_a_chat_past_the_prompt_bytes_limit_is_a_400_naming_messages(client):
+    # within the body's limit, past --max-prompt-bytes once rendered: refused before
+    # it is tokenized
+    long = [{"role": "user", "content": "word " * 100_000}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=long, max_tokens=1)
+    assert caught.value.body["param"] == "messages"
+    assert "bytes" in caught.value.body["message"]
 
 
 def test_overload_is_a_429_with_retry_after_and_the_streams_go_on(client):

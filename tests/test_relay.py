@@ -203,10 +203,13 @@ async def test_closing_the_call_aborts_every_request_on_it(cluster):
 async def test_a_bad_attach_fails_its_stream_only(cluster, reference_engine):
     _, decode = cluster
     prompt = prompts(1, seed=6)[0]
-    want = reference_engine.generate([prompt], GREEDY)[0]
+    # long enough to still run when the last attach reuses its stream id, however late
+    # a loaded machine reads it
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    want = reference_engine.generate([prompt], params)[0]
     async with decode.channel() as channel:
         call = decode_pb2_grpc.DecodeStub(channel).Relay()
-        good = generate(prompt, GREEDY)
+        good = generate(prompt, params)
         good.stream_id = 1
         commands = [
             decode_pb2.RelayAttach(stream_id=2, lease_id="no-such-lease"),

@@ -219,7 +219,7 @@ BAD_CALLS = [
         id="negative-token-id",
     ),
     pytest.param(
-        BadCall("Generate", token_prompt(*[7] * CONTEXT), INVALID, "prompt"),
+        BadCall("Generate", token_prompt(*[7] * CONTEXT), INVALID, "prompt.token_ids"),
         id="prompt-fills-the-context",
     ),
     pytest.param(

@@ -99,3 +99,81 @@ def test_up_serves_a_generate_and_sigterm_leaves_nothing_behind(demo_model_dir, 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def read_until(proc: subprocess.Popen, needle: str, output: list[str], timeout_s: float) -> str:
+    """The first line holding `needle` (every line read goes to `output`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        output.append(line)
+        if needle in line:
+            return line
+    raise AssertionError(f"no line with {needle!r}; the output:\n{''.join(output)}")
+
+
+def generate_eight(port: int, timeout_s: float) -> list[int]:
+    """A greedy 8-token generate, retried until it works or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    request = router_pb2.GenerateRequest(text="Hello there", stream=False)
+    request.sampling.max_tokens = 8
+    request.sampling.ignore_eos = True
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        while True:
+            try:
+                [response] = list(stub.Generate(request, timeout=20))
+                return list(response.token_ids)
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+
+def test_up_restarts_a_killed_worker_and_a_killed_redis_on_their_ports(demo_model_dir, tmp_path):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
+    env.pop("REDIS_URL", None)
+    command = [sys.executable, "-m", "pdserve", "up", "--model", str(demo_model_dir)]
+    proc = subprocess.Popen(
+        [*command, "--port", str(port), "--run-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    output: list[str] = []
+    try:
+        read_until(proc, "Ctrl-C", output, 120)
+        before = generate_eight(port, 10)
+        pids = {cmdline(pid): pid for pid in children_of(proc.pid)}
+        [decode_pid] = [pid for line, pid in pids.items() if " serve " in line and "decode" in line]
+        [redis_pid] = [pid for line, pid in pids.items() if "redis-server" in line]
+
+        os.kill(decode_pid, signal.SIGKILL)
+        died = read_until(proc, "decode-1 died", output, 10)
+        assert "killed by SIGKILL" in died
+        back = read_until(proc, "decode-1 is back", output, 30)
+        assert float(back.split("(")[-1].split()[0]) < 30  # seconds after it died
+        assert generate_eight(port, 30) == before
+
+        os.kill(redis_pid, signal.SIGKILL)
+        assert "killed by SIGKILL" in read_until(proc, "redis died", output, 10)
+        read_until(proc, "redis is back", output, 30)
+        assert generate_eight(port, 30) == before  # workers registered again in the new Redis
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

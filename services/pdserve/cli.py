@@ -6,10 +6,22 @@ import argparse
 import sys
 
 from pdserve import __version__
-from pdserve.commands import bench, demo_model, generate, router, serve, status, up
+from pdserve.commands import (
+    bench,
+    certs,
+    demo_model,
+    generate,
+    keys,
+    plan,
+    planner,
+    router,
+    serve,
+    status,
+    up,
+)
 
 # In the order `pdserve --help` lists them.
-COMMANDS = (demo_model, serve, router, up, generate, status, bench)
+COMMANDS = (demo_model, serve, router, up, generate, status, bench, plan, planner, keys, certs)
 
 
 def build_parser() -> argparse.ArgumentParser:

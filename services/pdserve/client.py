@@ -3,9 +3,18 @@
 Both speak plain Python objects (`Completion`, `Chunk`, `WorkerInfo`, ...) and raise
 `PdserveError`, built from the server's rich status, instead of raw gRPC errors:
 
-    with Client("127.0.0.1:50051") as client:
+    with Client(["10.0.0.1:50051", "10.0.0.2:50051"]) as client:
         for chunk in client.stream("Once upon", SamplingParams(max_tokens=32)):
             print(chunk.text, end="", flush=True)
+
+Given several routers (a list, or "host:port,host:port"), a client rides over the death
+of the one it talks to: a call that fails with UNAVAILABLE (the router is down, or its
+connection broke mid-stream) goes again to the next router, and a stream resumes there
+with its request id and the number of tokens it has (`resume_from`), as does a stream
+that ended without its final chunk: the caller sees one stream, every token once, as an
+uninterrupted run gives it, or an error. So a stream always has a request id (the client
+makes one if the caller gives none). Reconnects are bounded (`max_reconnects` per
+call), then PdserveError names each failure.
 
 There is one implementation, `AsyncClient`; `Client` runs one on an event loop of its
 own, in a thread of its own, and waits for each call.
@@ -14,20 +23,28 @@ own, in a thread of its own, and waits for each call.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import inspect
 import threading
+import time
+import uuid
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Concatenate, ParamSpec, TypeVar
 
 import grpc
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 from opentelemetry import propagate
 
 from pdserve.api.v1 import router_pb2, router_pb2_grpc
+from pdserve.client_failover import (
+    DEFAULT_MAX_RECONNECTS,
+    RECONNECT_CODES,
+    PdserveError,
+    ended_unfinished,
+    gave_up,
+    parse_addresses,
+    reconnect_wait,
+)
 from pdserve.core.responses import Chunk, Completion, ModelInfo, RequestInfo, Usage
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.workers import WorkerInfo
@@ -58,72 +75,12 @@ T = TypeVar("T")
 CANCEL_WAIT_S = 5.0
 
 
-def _trace_metadata() -> tuple[tuple[str, str], ...] | None:
+def _trace_metadata() -> tuple[tuple[str, str], ...]:
     """The calling application's trace context (its own OpenTelemetry SDK's current span),
     as W3C headers: the router makes the request a child of it. None outside any span."""
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
-    return tuple(carrier.items()) or None
-
-
-class PdserveError(Exception):
-    """A call the router answered with an error status (or that never reached it)."""
-
-    def __init__(
-        self,
-        code: grpc.StatusCode,
-        message: str,
-        field_violations: Sequence[tuple[str, str]] = (),
-        retry_after: float | None = None,
-    ):
-        self.code = code
-        self.message = message
-        self.field_violations = list(field_violations)  # (field, description) pairs
-        self.retry_after = retry_after  # seconds the server asks to wait before a retry
-        super().__init__(str(self))
-
-    def __str__(self) -> str:
-        if self.field_violations:
-            what = "; ".join(
-                f"{name}: {description}" for name, description in self.field_violations
-            )
-        else:
-            what = self.message
-        retry = f" (retry after {self.retry_after:g}s)" if self.retry_after is not None else ""
-        return f"{self.code.name}: {what}{retry}"
-
-    @classmethod
-    def from_rpc_error(cls, error: grpc.RpcError) -> PdserveError:
-        """From a failed call's status, with the BadRequest and RetryInfo details it carries.
-
-        `error` is the exception a stub raised: a grpc.Call (blocking) or an AioRpcError,
-        both of which answer code(), details() and trailing_metadata() synchronously.
-        """
-        code, message = error.code(), error.details() or ""
-        violations, retry_after = [], None
-        try:
-            status = rpc_status.from_call(error)
-        except ValueError:  # a details trailer that contradicts the status: ignore it
-            status = None
-        for detail in status.details if status is not None else ():
-            if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-                bad_request = error_details_pb2.BadRequest()
-                detail.Unpack(bad_request)
-                violations += [(v.field, v.description) for v in bad_request.field_violations]
-            elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
-                retry_info = error_details_pb2.RetryInfo()
-                detail.Unpack(retry_info)
-                retry_after = retry_info.retry_delay.ToTimedelta().total_seconds()
-        return cls(code, message, violations, retry_after)
-
-
-@contextlib.contextmanager
-def _rpc_errors() -> Iterator[None]:
-    """Re-raise gRPC errors as PdserveError (a plain `with` also catches them from `await`)."""
-    try:
-        yield
-    except grpc.RpcError as error:
-        raise PdserveError.from_rpc_error(error) from error
+    return tuple(carrier.items())
 
 
 class AsyncClient:
@@ -132,11 +89,58 @@ class AsyncClient:
     Create it inside the event loop that uses it (gRPC's aio channels belong to one loop).
     """
 
-    def __init__(self, address: str, *, timeout: float | None = None, options=None):
-        self.address = address
+    def __init__(
+        self,
+        addresses: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        options=None,
+        credentials: grpc.ChannelCredentials | None = None,
+        api_key: str | None = None,
+        max_reconnects: int = DEFAULT_MAX_RECONNECTS,
+    ):
+        """`addresses`: one router or several (a list, or comma-separated); `credentials`:
+        TLS (`grpc.ssl_channel_credentials(...)`), None: plaintext; `api_key`: sent as
+        `authorization: Bearer KEY` on every call."""
+        if max_reconnects < 0:
+            raise ValueError(f"max_reconnects must be >= 0, got {max_reconnects}")
+        self.addresses = parse_addresses(addresses)
+        self.address = self.addresses[0]  # the router calls go to first
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address, options=options)
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self.max_reconnects = max_reconnects
+        self._auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._channels = [_channel(a, credentials, options) for a in self.addresses]
+        self._stubs = [router_pb2_grpc.RouterStub(channel) for channel in self._channels]
+        self._current = 0  # the router that answered last
+        self.num_reconnects = 0  # calls made again (on another router), since creation
+
+    @property
+    def current_address(self) -> str:
+        """The router the next call goes to (the one that answered last)."""
+        return self.addresses[self._current]
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._auth + _trace_metadata()
+
+    def _deadline(self) -> float | None:
+        return None if self.timeout is None else time.monotonic() + self.timeout
+
+    async def _next_router(
+        self, failures: list[tuple[str, PdserveError]], deadline, tried: int
+    ) -> int:
+        """After a failed try on router `tried`: raise if it was the last try, else wait;
+        then the router to try next (the one after it), where later calls go too. Each
+        call moves on from its own router: many calls failing at once on the client do
+        not bounce it back to the dead one."""
+        if len(failures) > self.max_reconnects:
+            raise gave_up(failures)
+        wait = reconnect_wait(len(failures), failures[-1][1].retry_after)
+        if deadline is not None and time.monotonic() + wait >= deadline:
+            raise gave_up(failures)
+        await asyncio.sleep(wait)
+        self.num_reconnects += 1
+        self._current = (tried + 1) % len(self._stubs)
+        return self._current
 
     async def generate(
         self,
@@ -146,14 +150,15 @@ class AsyncClient:
         request_id: str | None = None,
         resume_from: int | None = None,
     ) -> Completion:
-        """The whole completion in one message (the router collects it)."""
-        request = generate_request_to_proto(
-            prompt, params, request_id=request_id, resume_from=resume_from, stream=False
-        )
-        with _rpc_errors():
-            call = self._stub.Generate(request, timeout=self.timeout, metadata=_trace_metadata())
-            messages = [m async for m in call]
-        return Completion.from_chunks([chunk_from_proto(m) for m in messages])
+        """The whole completion (from `resume_from` on), collected from the stream, which
+        rides over a router's death as `stream` does."""
+        chunks = [
+            chunk
+            async for chunk in self.stream(
+                prompt, params, request_id=request_id, resume_from=resume_from
+            )
+        ]
+        return Completion.from_chunks(chunks)
 
     async def stream(
         self,
@@ -163,46 +168,67 @@ class AsyncClient:
         request_id: str | None = None,
         resume_from: int | None = None,
     ) -> AsyncIterator[Chunk]:
-        """Chunks as the router streams them. Leaving the loop early cancels the request."""
-        request = generate_request_to_proto(
-            prompt, params, request_id=request_id, resume_from=resume_from, stream=True
-        )
-        call = self._stub.Generate(request, timeout=self.timeout, metadata=_trace_metadata())
-        try:
-            with _rpc_errors():
+        """Chunks as the router streams them, resumed on the next router if one dies or
+        ends it unfinished (module docstring). Leaving the loop early cancels the request."""
+        request_id = request_id or uuid.uuid4().hex  # what a reconnect resumes
+        position, deadline = resume_from, self._deadline()
+        failures: list[tuple[str, PdserveError]] = []
+        index = self._current
+        while True:
+            request = generate_request_to_proto(
+                prompt, params, request_id=request_id, resume_from=position, stream=True
+            )
+            address, call = self.addresses[index], None
+            try:
+                call = self._stubs[index].Generate(
+                    request, timeout=_time_left(deadline), metadata=self._metadata()
+                )
+                chunk = None
                 async for message in call:
-                    yield chunk_from_proto(message)
-        finally:
-            call.cancel()  # no-op once the stream has ended
+                    chunk = chunk_from_proto(message)
+                    position = chunk.offset + len(chunk.token_ids)
+                    yield chunk
+                if chunk is not None and chunk.finish_reason is not None:
+                    return
+                failures.append((address, ended_unfinished()))  # never taken as done
+            except grpc.RpcError as error:
+                if error.code() not in RECONNECT_CODES:
+                    raise PdserveError.from_rpc_error(error) from error
+                failures.append((address, PdserveError.from_rpc_error(error)))
+            finally:
+                if call is not None:
+                    call.cancel()  # no-op once the stream has ended
+            index = await self._next_router(failures, deadline, index)
 
     async def cancel(self, request_id: str) -> bool:
         """Cancel a running request (on any router); False if it had already ended."""
         request = router_pb2.CancelRequest(request_id=request_id)
-        return (await self._unary(self._stub.Cancel, request)).cancelled
+        return (await self._unary(lambda stub: stub.Cancel, request)).cancelled
 
     async def get_request(self, request_id: str) -> RequestInfo:
         request = router_pb2.GetRequestRequest(request_id=request_id)
-        return request_info_from_proto(await self._unary(self._stub.GetRequest, request))
+        return request_info_from_proto(await self._unary(lambda stub: stub.GetRequest, request))
 
     async def list_workers(self) -> list[WorkerInfo]:
         """The healthy workers the router routes to, one per address."""
-        response = await self._unary(self._stub.ListWorkers, router_pb2.ListWorkersRequest())
+        response = await self._unary(lambda stub: stub.ListWorkers, router_pb2.ListWorkersRequest())
         return [worker_info_from_status(w) for w in response.workers]
 
     async def tokenize(self, text: str) -> list[int]:
         request = router_pb2.TokenizeRequest(text=text)
-        return list((await self._unary(self._stub.Tokenize, request)).token_ids)
+        return list((await self._unary(lambda stub: stub.Tokenize, request)).token_ids)
 
     async def detokenize(self, token_ids: Sequence[int]) -> str:
         request = router_pb2.DetokenizeRequest(token_ids=token_ids)
-        return (await self._unary(self._stub.Detokenize, request)).text
+        return (await self._unary(lambda stub: stub.Detokenize, request)).text
 
     async def model_info(self) -> ModelInfo:
-        response = await self._unary(self._stub.ModelInfo, router_pb2.ModelInfoRequest())
+        response = await self._unary(lambda stub: stub.ModelInfo, router_pb2.ModelInfoRequest())
         return model_info_from_proto(response)
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -210,9 +236,31 @@ class AsyncClient:
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
 
-    async def _unary(self, method: grpc.aio.UnaryUnaryMultiCallable, request):
-        with _rpc_errors():
-            return await method(request, timeout=self.timeout)
+    async def _unary(self, method: Callable[[router_pb2_grpc.RouterStub], Callable], request):
+        """One call to the current router, going to the next on UNAVAILABLE (bounded)."""
+        deadline = self._deadline()
+        failures: list[tuple[str, PdserveError]] = []
+        index = self._current
+        while True:
+            address = self.addresses[index]
+            try:
+                call = method(self._stubs[index])
+                return await call(request, timeout=_time_left(deadline), metadata=self._metadata())
+            except grpc.RpcError as error:
+                if error.code() not in RECONNECT_CODES:
+                    raise PdserveError.from_rpc_error(error) from error
+                failures.append((address, PdserveError.from_rpc_error(error)))
+            index = await self._next_router(failures, deadline, index)
+
+
+def _channel(address: str, credentials: grpc.ChannelCredentials | None, options):
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+def _time_left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
 def _blocking(
@@ -253,17 +301,19 @@ class Client:
     client's own event loop thread; any thread may make them.
     """
 
-    def __init__(self, address: str, *, timeout: float | None = None, options=None):
-        self.address = address
+    def __init__(self, addresses: str | Sequence[str], *, timeout: float | None = None, **kwargs):
+        """As `AsyncClient`'s: `options`, `credentials`, `api_key`, `max_reconnects`."""
+        self.addresses = parse_addresses(addresses)
+        self.address = self.addresses[0]
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
-            target=self._loop.run_forever, name=f"pdserve-client-{address}", daemon=True
+            target=self._loop.run_forever, name=f"pdserve-client-{self.address}", daemon=True
         )
         self._thread.start()
         # a client dropped unclosed still ends its thread (as a dropped channel closes)
         self._finalizer = weakref.finalize(self, self._loop.call_soon_threadsafe, self._loop.stop)
         self._closed = False
-        self._client: AsyncClient = self._wait(_new_async_client(address, timeout, options))
+        self._client: AsyncClient = self._wait(_new_async_client(self.addresses, timeout, kwargs))
 
     @property
     def timeout(self) -> float | None:
@@ -272,6 +322,16 @@ class Client:
     @timeout.setter
     def timeout(self, timeout: float | None) -> None:
         self._client.timeout = timeout
+
+    @property
+    def num_reconnects(self) -> int:
+        """Calls made again (on another router) since the client was created."""
+        return self._client.num_reconnects
+
+    @property
+    def current_address(self) -> str:
+        """The router the next call goes to (the one that answered last)."""
+        return self._client.current_address
 
     generate = _blocking(AsyncClient.generate)
     stream = _blocking_iter(AsyncClient.stream)
@@ -329,8 +389,8 @@ class Client:
                 self._wait(chunks.aclose())
 
 
-async def _new_async_client(address: str, timeout: float | None, options) -> AsyncClient:
-    return AsyncClient(address, timeout=timeout, options=options)  # in the loop it will use
+async def _new_async_client(addresses: list[str], timeout: float | None, kwargs) -> AsyncClient:
+    return AsyncClient(addresses, timeout=timeout, **kwargs)  # in the loop it will use
 
 
 async def _settling(coro: Awaitable[T], settled: threading.Event) -> T:

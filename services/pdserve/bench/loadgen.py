@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import grpc
+
 from pdserve.bench.workload import PlannedRequest
 from pdserve.client import AsyncClient, PdserveError
 from pdserve.core.sampling_params import SamplingParams
@@ -96,9 +98,13 @@ async def run_plan(
     planned: list[PlannedRequest],
     drain_s: float,
     on_done: Callable[[RequestResult], None] = lambda r: None,
+    *,
+    credentials: grpc.ChannelCredentials | None = None,
+    api_key: str | None = None,
 ) -> list[RequestResult]:
-    """Send the plan against a router; results in plan order."""
-    async with AsyncClient(address) as client:
+    """Send the plan against a router (over TLS with `credentials`, with `api_key` as
+    `AsyncClient` takes them); results in plan order."""
+    async with AsyncClient(address, credentials=credentials, api_key=api_key) as client:
         start = time.perf_counter()
         deadline = start + (planned[-1].send_at if planned else 0.0) + drain_s
         tasks = []

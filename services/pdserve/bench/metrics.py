@@ -8,8 +8,9 @@ milliseconds. Warm-up requests are left out of everything here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.bench.loadgen import RequestResult
@@ -53,19 +54,62 @@ class Stats:
 
 @dataclass(frozen=True, slots=True)
 class SLO:
-    ttft_ms: float
+    """TTFT and TPOT bounds, in ms. The TTFT bound is absolute (`ttft_ms`), or relative to
+    each request kind's TTFT alone (DistServe's style): `ttft_scale` times the kind's median
+    TTFT in the solo calibration (`solo_ttft_ms`), and never below `ttft_ms`."""
+
+    ttft_ms: float  # the bound; with `ttft_scale`, its floor
     tpot_ms: float
+    ttft_scale: float | None = None
+    solo_ttft_ms: Mapping[str, float] = field(default_factory=dict)  # kind -> median alone
 
     def __post_init__(self) -> None:
         if self.ttft_ms <= 0 or self.tpot_ms <= 0:
             raise ValueError("SLOs must be > 0 ms")
+        if self.ttft_scale is not None and self.ttft_scale <= 0:
+            raise ValueError(f"the TTFT SLO's scale must be > 0, got {self.ttft_scale:g}")
+
+    @property
+    def is_relative(self) -> bool:
+        return self.ttft_scale is not None
+
+    def ttft_ms_for(self, kind: str) -> float:
+        """The TTFT bound of a request of `kind` (the floor for a kind not calibrated)."""
+        if self.ttft_scale is None or kind not in self.solo_ttft_ms:
+            return self.ttft_ms
+        return max(self.ttft_scale * self.solo_ttft_ms[kind], self.ttft_ms)
+
+    def calibrated(self, solo: Mapping[str, Mapping[str, float]]) -> SLO:
+        """This SLO with each kind's median TTFT alone from a solo calibration
+        (`{kind: {"ttft_ms": ...}}`); an absolute one is returned as it is."""
+        if self.ttft_scale is None:
+            return self
+        medians = {kind: values["ttft_ms"] for kind, values in solo.items()}
+        return dataclasses.replace(self, solo_ttft_ms=medians)
+
+    def scaled(self, ttft_factor: float, tpot_factor: float) -> SLO:
+        """Both bounds multiplied (a relative TTFT bound: its scale and its floor)."""
+        scale = None if self.ttft_scale is None else self.ttft_scale * ttft_factor
+        return dataclasses.replace(
+            self,
+            ttft_ms=self.ttft_ms * ttft_factor,
+            tpot_ms=self.tpot_ms * tpot_factor,
+            ttft_scale=scale,
+        )
+
+    def ttft_text(self) -> str:
+        """The TTFT bound in words: `TTFT <= 3x alone (>= 200 ms)` or `TTFT <= 8000 ms`."""
+        if self.ttft_scale is None:
+            return f"TTFT <= {self.ttft_ms:g} ms"
+        return f"TTFT <= {self.ttft_scale:g}x alone (>= {self.ttft_ms:g} ms)"
 
     def met_by(self, result: RequestResult) -> bool:
         """Finished, and within both SLOs (a one-token request has no TPOT to miss)."""
         if not result.ok:
             return False
         tpot = result.tpot
-        return result.ttft * MS <= self.ttft_ms and (tpot is None or tpot * MS <= self.tpot_ms)
+        within_ttft = result.ttft * MS <= self.ttft_ms_for(result.kind)
+        return within_ttft and (tpot is None or tpot * MS <= self.tpot_ms)
 
 
 @dataclass(frozen=True, slots=True)

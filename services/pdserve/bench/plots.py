@@ -50,34 +50,41 @@ def _figure(figsize: tuple[float, float]) -> Figure:
     return Figure(figsize=figsize)
 
 
+def _kinds(result: BenchResult) -> list[str]:
+    """The workload's request kinds, in its order: each gets its own lines and panels."""
+    return [kind.name for kind in result.workload.kinds]
+
+
 def plot_cdfs(result: BenchResult, path: Path) -> Path:
-    """TTFT and TPOT CDFs: a colour per configuration, a line style per rate."""
-    fig = _figure((11, 4.2))
-    ttft_ax, tpot_ax = fig.subplots(1, 2)
+    """TTFT and TPOT CDFs, a row of two per request kind: a colour per configuration, a
+    line style per rate, the kind's SLOs dashed."""
+    kinds = _kinds(result)
+    fig = _figure((11, 0.6 + 3.6 * len(kinds)))
+    axes = fig.subplots(len(kinds), 2, squeeze=False)
     styles = LINESTYLES[-len(result.rates) :] if len(result.rates) <= len(LINESTYLES) else None
-    for color, config in zip(COLORS, result.configs, strict=False):
-        for i, run in enumerate(config.runs):
-            measured = [r for r in run.results if r.ok and not r.warmup]
-            style = styles[i] if styles else "-"
-            label = f"{config.name} @ {run.rate:g}/s"
-            _cdf(ttft_ax, [r.ttft * MS for r in measured], color, style, label)
-            _cdf(
-                tpot_ax, [r.tpot * MS for r in measured if r.tpot is not None], color, style, label
+    for (ttft_ax, tpot_ax), kind in zip(axes, kinds, strict=True):
+        for color, config in zip(COLORS, result.configs, strict=False):
+            for i, run in enumerate(config.runs):
+                measured = [r for r in run.results if r.ok and not r.warmup and r.kind == kind]
+                style = styles[i] if styles else "-"
+                label = f"{config.name} @ {run.rate:g}/s"
+                _cdf(ttft_ax, [r.ttft * MS for r in measured], color, style, label)
+                tpots = [r.tpot * MS for r in measured if r.tpot is not None]
+                _cdf(tpot_ax, tpots, color, style, label)
+        for ax, what, slo in (
+            (ttft_ax, "TTFT", result.slo.ttft_ms_for(kind)),
+            (tpot_ax, "TPOT", result.slo.tpot_ms),
+        ):
+            ax.axvline(slo, color="k", linewidth=0.8, linestyle="--", label=f"SLO {slo:.0f} ms")
+            ax.set(
+                xscale="log",
+                xlabel=f"{what} (ms, log)",
+                ylabel="share of requests",
+                ylim=(0, 1),
+                title=f"{kind}: {what} CDF",
             )
-    for ax, what, slo in (
-        (ttft_ax, "TTFT", result.slo.ttft_ms),
-        (tpot_ax, "TPOT", result.slo.tpot_ms),
-    ):
-        ax.axvline(slo, color="k", linewidth=0.8, linestyle="--", label=f"SLO {slo:g} ms")
-        ax.set(
-            xscale="log",
-            xlabel=f"{what} (ms, log)",
-            ylabel="share of requests",
-            ylim=(0, 1),
-            title=f"{what} CDF",
-        )
-        ax.grid(alpha=0.3)
-    tpot_ax.legend(fontsize=7, loc="lower right")
+            ax.grid(alpha=0.3)
+        tpot_ax.legend(fontsize=7, loc="lower right")
     fig.suptitle(f"{result.workload.name} workload", fontsize=10)
     return _save(fig, path)
 
@@ -90,33 +97,37 @@ def _cdf(ax, values: list[float], color: str, style: str, label: str) -> None:
     ax.step(ordered, shares, where="post", color=color, linestyle=style, label=label)
 
 
+def _kind_stats(run: RateRun, kind: str, metric: str):
+    """A run's TTFT or TPOT stats of one kind (the whole run's with a single kind)."""
+    by_kind = run.summary.by_kind
+    return by_kind[kind][metric] if kind in by_kind else getattr(run.summary, metric)
+
+
 def plot_latency_vs_rate(result: BenchResult, path: Path) -> Path:
-    """p90 TTFT and p90 TPOT (p99 dotted) against rate with the SLOs; SLO attainment."""
+    """p90 TTFT and p99 TPOT of each request kind (a line style each) against rate, with
+    each kind's TTFT SLO and the TPOT SLO; SLO attainment of the whole run."""
     fig = _figure((13, 4))
     ttft_ax, tpot_ax, slo_ax = fig.subplots(1, 3)
+    kinds = _kinds(result)
+    kind_styles = dict(zip(kinds, ("o-", "s--", "^-.", "d:"), strict=False))
     for color, config in zip(COLORS, result.configs, strict=False):
         rates = [run.rate for run in config.runs]
-        summaries = [run.summary for run in config.runs]
-        ttft_ax.plot(rates, [s.ttft.p90 for s in summaries], "o-", color=color, label=config.name)
-        tpot_ax.plot(
-            rates, [s.tpot.p90 for s in summaries], "o-", color=color, label=f"{config.name} p90"
-        )
-        tpot_ax.plot(
-            rates,
-            [s.tpot.p99 for s in summaries],
-            "o:",
-            color=color,
-            alpha=0.6,
-            label=f"{config.name} p99",
-        )
+        for kind in kinds:
+            style, label = kind_styles.get(kind, "o-"), f"{config.name} {kind}"
+            ttfts = [_kind_stats(run, kind, "ttft").p90 for run in config.runs]
+            tpots = [_kind_stats(run, kind, "tpot").p99 for run in config.runs]
+            ttft_ax.plot(rates, ttfts, style, color=color, label=label)
+            tpot_ax.plot(rates, tpots, style, color=color, label=label)
         slo_ax.plot(
             rates,
-            [100 * s.slo_attainment for s in summaries],
+            [100 * run.summary.slo_attainment for run in config.runs],
             "o-",
             color=color,
             label=f"{config.name} (goodput {config.goodput:g}/s)",
         )
-    ttft_ax.axhline(result.slo.ttft_ms, color="k", linestyle="--", linewidth=0.8, label="SLO")
+    for kind in kinds:
+        bound = result.slo.ttft_ms_for(kind)
+        ttft_ax.axhline(bound, color="k", linestyle="--", linewidth=0.8, label=f"SLO {kind}")
     tpot_ax.axhline(result.slo.tpot_ms, color="k", linestyle="--", linewidth=0.8, label="SLO")
     slo_ax.axhline(
         100 * SLO_ATTAINMENT_GOAL,
@@ -125,8 +136,8 @@ def plot_latency_vs_rate(result: BenchResult, path: Path) -> Path:
         linewidth=0.8,
         label=f"{SLO_ATTAINMENT_GOAL:.0%} goal",
     )
-    ttft_ax.set(title="p90 TTFT", ylabel="ms (log)", yscale="log")
-    tpot_ax.set(title="TPOT", ylabel="ms (log)", yscale="log")
+    ttft_ax.set(title="p90 TTFT per kind", ylabel="ms (log)", yscale="log")
+    tpot_ax.set(title="p99 TPOT per kind", ylabel="ms (log)", yscale="log")
     slo_ax.set(title="requests within both SLOs", ylabel="%", ylim=(0, 105))
     for ax in (ttft_ax, tpot_ax, slo_ax):
         ax.set_xlabel("offered rate (requests/s)")

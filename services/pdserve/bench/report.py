@@ -90,7 +90,21 @@ def to_json(result: BenchResult) -> dict:
         "drain_s": result.drain_s,
         "num_warmup": result.num_warmup,
         "seed": result.seed,
-        "slo": {**dataclasses.asdict(result.slo), "attainment_goal": SLO_ATTAINMENT_GOAL},
+        "slo": {
+            **dataclasses.asdict(result.slo),
+            "ttft_ms_by_kind": {k: result.slo.ttft_ms_for(k) for k in result.slo.solo_ttft_ms},
+            "attainment_goal": SLO_ATTAINMENT_GOAL,
+        },
+        "slo_grid": [
+            {
+                "ttft": slo.ttft_text(),
+                "tpot_ms": slo.tpot_ms,
+                "requested": requested,
+                "goodput_rps": {c.name: c.goodput_under(slo) for c in result.configs},
+            }
+            for row in slo_grid_cells(result.slo)
+            for slo, requested in row
+        ],
         "machine": result.machine,
         "configs": [
             {
@@ -146,7 +160,8 @@ def markdown(result: BenchResult, figures: list[str]) -> str:
         f"Model `{result.model}`; Poisson arrivals, seed {result.seed}; per rate "
         f"{result.num_warmup} warm-up requests, then {result.duration_s:g} s of measured "
         f"arrivals; requests unfinished {result.drain_s:g} s after the last send count as "
-        f"failed. SLOs: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms; goodput "
+        f"failed. SLOs: {slo.ttft_text()}{_per_kind_text(slo)} and TPOT <= {slo.tpot_ms:g} ms; "
+        "goodput "
         f"is the highest swept rate up to which >= {SLO_ATTAINMENT_GOAL:.0%} of requests meet "
         "both. Latencies in ms.",
         "",
@@ -168,7 +183,7 @@ def markdown(result: BenchResult, figures: list[str]) -> str:
         "",
         "The same requests, judged against tighter and looser SLOs (req/s; "
         + " / ".join(c.name for c in result.configs)
-        + "):",
+        + "; in bold, the SLOs asked for):",
         "",
         slo_grid(result),
         "",
@@ -288,18 +303,33 @@ def compare_tables(result: BenchResult) -> list[str]:
 SLO_SCALES = (0.5, 1.0, 2.0)  # the grid: each SLO halved, as given, doubled
 
 
+def slo_grid_cells(slo: SLO) -> list[list[tuple[SLO, bool]]]:
+    """The grid's SLOs, a row per TTFT bound and a column per TPOT bound, each with
+    whether it is the pair asked for."""
+    return [
+        [(slo.scaled(kt, kp), kt == 1.0 and kp == 1.0) for kp in SLO_SCALES] for kt in SLO_SCALES
+    ]
+
+
 def slo_grid(result: BenchResult) -> str:
-    """Goodput of every configuration for TTFT and TPOT SLOs around the ones given."""
-    ttfts = [result.slo.ttft_ms * k for k in SLO_SCALES]
-    tpots = [result.slo.tpot_ms * k for k in SLO_SCALES]
+    """Goodput of every configuration for TTFT and TPOT SLOs around the ones given, the
+    pair asked for in bold."""
+    cells = slo_grid_cells(result.slo)
     rows = []
-    for ttft in ttfts:
-        cells = []
-        for tpot in tpots:
-            goodputs = [c.goodput_under(SLO(ttft, tpot)) for c in result.configs]
-            cells.append(" / ".join(f"{g:g}" for g in goodputs))
-        rows.append([f"TTFT <= {ttft:g} ms", *cells])
-    return _table(["", *(f"TPOT <= {tpot:g} ms" for tpot in tpots)], rows)
+    for row in cells:
+        shown = []
+        for slo, requested in row:
+            text = " / ".join(f"{c.goodput_under(slo):g}" for c in result.configs)
+            shown.append(f"**{text}**" if requested else text)
+        rows.append([row[0][0].ttft_text(), *shown])
+    return _table(["", *(f"TPOT <= {slo.tpot_ms:g} ms" for slo, _ in cells[0])], rows)
+
+
+def _per_kind_text(slo: SLO) -> str:
+    if not slo.solo_ttft_ms:
+        return ""
+    bounds = ", ".join(f"{k} {slo.ttft_ms_for(k):.0f} ms" for k in slo.solo_ttft_ms)
+    return f" ({bounds})"
 
 
 def _pcts(stats: Stats) -> str:

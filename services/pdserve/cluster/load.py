@@ -8,6 +8,8 @@ import time
 import grpc
 
 from pdserve.api.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from pdserve.core.tls_config import TlsConfig
+from pdserve.rpc.tls import ChannelTls
 
 GET_LOAD_TIMEOUT_S = 10.0
 IDLE_POLL_S = 0.02
@@ -19,9 +21,10 @@ def _get_load(channel: grpc.Channel, role: str):
     return stub_type(channel).GetLoad
 
 
-def worker_load(address: str, role: str) -> decode_pb2.WorkerLoad:
-    """One blocking GetLoad of the worker at `address` serving `role`."""
-    with grpc.insecure_channel(address) as channel:
+def worker_load(address: str, role: str, tls: TlsConfig | None = None) -> decode_pb2.WorkerLoad:
+    """One blocking GetLoad of the worker at `address` serving `role` (over mTLS with
+    `tls`: a router certificate, as only routers may ask)."""
+    with ChannelTls(tls).channel(address) as channel:
         return _get_load(channel, role)(decode_pb2.GetLoadRequest(), timeout=GET_LOAD_TIMEOUT_S)
 
 
@@ -31,11 +34,13 @@ def is_idle(load: decode_pb2.WorkerLoad) -> bool:
     return not busy and load.free_blocks == load.total_blocks
 
 
-def wait_idle(address: str, role: str, timeout_s: float = 10.0) -> decode_pb2.WorkerLoad:
+def wait_idle(
+    address: str, role: str, timeout_s: float = 10.0, tls: TlsConfig | None = None
+) -> decode_pb2.WorkerLoad:
     """Poll until the worker `is_idle`, at most `timeout_s`; its last load either way, for
     the caller to check (a test asserts on it, a benchmark refuses to go on)."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with ChannelTls(tls).channel(address) as channel:
         get_load = _get_load(channel, role)
         while True:
             load = get_load(decode_pb2.GetLoadRequest(), timeout=GET_LOAD_TIMEOUT_S)

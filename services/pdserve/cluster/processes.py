@@ -35,6 +35,10 @@ class ChildProcess:
     proc: subprocess.Popen
     log_path: str
     fields: dict[str, str] = field(default_factory=dict)  # from the ready line
+    # how it was started, so that a supervisor can start it again (`respawn`)
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    python_args: Sequence[str] = ()
 
     @property
     def address(self) -> str:
@@ -64,6 +68,14 @@ class ChildProcess:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+    def respawn(self, args: list[str]) -> ChildProcess:
+        """Start it again in place (same name, log appended to), with `args`; the caller
+        waits for its ready line (`wait_ready`). References to this object stay valid, and
+        so do its `fields` (its ports do not change) until the new ready line replaces them."""
+        self.args = args
+        self.proc = _popen(args, self.log_path, self.env, self.python_args, mode="a")
+        return self
 
 
 def worker_args(role: str, model: str, extra: Sequence[str] = (), **settings) -> list[str]:
@@ -109,16 +121,33 @@ def spawn(
     order (`ChildProcess.stop`), instead of every process at once.
     """
     log_path = os.path.join(log_dir, f"{name}.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
+    env = dict(env or {})
+    proc = _popen(args, log_path, env, python_args, mode="w")
+    return ChildProcess(name, proc, log_path, args=args, env=env, python_args=python_args)
+
+
+def _popen(
+    args: list[str], log_path: str, env: dict[str, str], python_args: Sequence[str], mode: str
+) -> subprocess.Popen:
+    with open(log_path, mode) as log:
+        return subprocess.Popen(
             [sys.executable, *python_args, "-m", "pdserve", *args],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
             start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
         )
-    return ChildProcess(name, proc, log_path)
+
+
+def exit_description(returncode: int) -> str:
+    """How a child ended, as a person reads it: `killed by SIGKILL`, `exit status 1`."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
 
 
 def wait_ready(child: ChildProcess, timeout_s: float = READY_TIMEOUT_S) -> ChildProcess:

@@ -39,6 +39,11 @@ from pdserve.bench.workload import WORKLOADS, custom_workload, plan, sample_requ
 from pdserve.client import AsyncClient, PdserveError
 from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.commands import EXIT_INTERRUPTED, add_router_argument, fail, router_address
+from pdserve.commands.connection import (
+    RouterConnection,
+    add_connection_arguments,
+    connection_from_args,
+)
 
 DEFAULT_OUT = "bench-results"
 # --colocate-below for an all-colocated shape: every prompt is prefilled on the worker that
@@ -46,8 +51,10 @@ DEFAULT_OUT = "bench-results"
 COLOCATE_EVERY_PROMPT = 1 << 30
 SETTLE_S = 1.0  # pause between runs: cancelled requests of the last one are freed by then
 # Requests of each kind sent alone: the first ones warm the workers up (two, so a worker
-# pair sharing requests both get one), the others are timed and averaged.
-SOLO_WARMUPS, SOLO_TIMED = 2, 2
+# pair sharing requests both get one), the others are timed and their median kept.
+SOLO_WARMUPS, SOLO_TIMED = 2, 3
+DEFAULT_TTFT_SLO_MS = 2000.0  # absolute, without --ttft-slo-scale
+DEFAULT_TTFT_SLO_FLOOR_MS = 200.0  # with --ttft-slo-scale: no kind's bound is below it
 
 
 @dataclass(slots=True)
@@ -84,10 +91,19 @@ class BenchConfig(Sweep):
             drain_s=args.drain,
             num_warmup=args.warmup,
             seed=args.seed,
-            slo=SLO(args.ttft_slo_ms, args.tpot_slo_ms),
+            slo=_slo(args),
             shapes=[ClusterShape.parse(s) for s in args.compare or []],
             timeline_rate=timeline_rate,
         )
+
+
+def _slo(args: argparse.Namespace) -> SLO:
+    """The SLOs asked for; a relative TTFT bound is calibrated once the kinds ran alone."""
+    if args.ttft_slo_scale is None:
+        ttft_ms = DEFAULT_TTFT_SLO_MS if args.ttft_slo_ms is None else args.ttft_slo_ms
+        return SLO(ttft_ms, args.tpot_slo_ms)
+    floor = DEFAULT_TTFT_SLO_FLOOR_MS if args.ttft_slo_ms is None else args.ttft_slo_ms
+    return SLO(floor, args.tpot_slo_ms, ttft_scale=args.ttft_slo_scale)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +111,7 @@ class Target:
     name: str
     address: str
     pids: tuple[int, ...] = ()  # a local cluster's processes, for its CPU time
+    connection: RouterConnection = RouterConnection()  # --router's TLS and API key
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -119,6 +136,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         help="with --compare: extra argument for every worker (repeatable)",
     )
     _add_load_arguments(cmd)
+    add_connection_arguments(cmd)  # for --router
     cmd.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     cmd.set_defaults(run=run)
 
@@ -150,7 +168,21 @@ def _add_load_arguments(cmd: argparse.ArgumentParser) -> None:
         help="seconds after the last send until unfinished requests count as failed",
     )
     cmd.add_argument("--seed", type=int, default=0)
-    cmd.add_argument("--ttft-slo-ms", type=float, default=2000.0)
+    cmd.add_argument(
+        "--ttft-slo-ms",
+        type=float,
+        default=None,
+        help=f"TTFT SLO (default {DEFAULT_TTFT_SLO_MS:g}); with --ttft-slo-scale, the "
+        f"lowest bound any kind gets (default {DEFAULT_TTFT_SLO_FLOOR_MS:g})",
+    )
+    cmd.add_argument(
+        "--ttft-slo-scale",
+        type=float,
+        default=None,
+        metavar="K",
+        help="a TTFT SLO per request kind: K times its median TTFT alone (the solo "
+        "calibration of the first cluster or router listed), at least --ttft-slo-ms",
+    )
     cmd.add_argument("--tpot-slo-ms", type=float, default=200.0)
     cmd.add_argument(
         "--timeline-rate",
@@ -164,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     try:
         config = BenchConfig.from_args(args)
+        connection = connection_from_args(args)
         require_matplotlib()  # now, rather than after the whole run
     except (ValueError, RuntimeError) as exc:
         return fail("bench", exc)
@@ -177,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     machine = facts(args.threads)
     try:
         with contextlib.ExitStack() as stack:
-            targets = _start_targets(args, model, config.shapes, out, stack, console)
+            targets = _start_targets(args, model, config.shapes, out, stack, console, connection)
             model, configs = asyncio.run(_measure(config, targets, console))
     except (RuntimeError, OSError, PdserveError) as exc:
         return fail("bench", exc)
@@ -218,11 +251,13 @@ def _start_targets(
     out: Path,
     stack: contextlib.ExitStack,
     console: Console,
+    connection: RouterConnection,
 ) -> list[Target]:
-    """The router given, or a started local cluster per shape (stopped with `stack`)."""
+    """The router given (reached through `connection`), or a started local cluster per
+    shape (stopped with `stack`)."""
     if not shapes:
         address = router_address(args.router)
-        return [Target(address, address)]
+        return [Target(address, address, connection=connection)]
     targets = []
     for shape in shapes:
         router_args = ["--colocate-below", str(COLOCATE_EVERY_PROMPT)] if not shape.prefill else []
@@ -247,12 +282,15 @@ async def _measure(
     config: BenchConfig, targets: list[Target], console: Console
 ) -> tuple[str, list[ConfigRun]]:
     """The model's name, and every target measured alone per kind, then at every rate."""
-    async with AsyncClient(targets[0].address, timeout=30) as client:
+    first = targets[0]
+    async with AsyncClient(first.address, timeout=30, **first.connection.client_kwargs) as client:
         model = (await client.model_info()).model
     configs = [ConfigRun(t.name, t.address) for t in targets]
-    for c in configs:
-        c.solo = await _solo(c.address, config)
+    for target, c in zip(targets, configs, strict=True):
+        c.solo = await _solo(target, config)
         console.print(f"{c.name} alone: {solo_text(c.solo)}")
+    config.slo = config.slo.calibrated(configs[0].solo)  # relative to the first listed
+    console.print(f"SLOs: {config.slo.ttft_text()}, TPOT <= {config.slo.tpot_ms:g} ms")
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -271,6 +309,7 @@ async def _measure(
                     planned,
                     config.drain_s,
                     on_done=lambda r, t=task: progress.advance(t),
+                    **target.connection.client_kwargs,
                 )
                 cores = (cpu_seconds(target.pids) - cpu) / (time.perf_counter() - start)
                 summary = summarize(rate, results, config.slo)
@@ -281,20 +320,22 @@ async def _measure(
     return model, configs
 
 
-async def _solo(address: str, config: BenchConfig) -> dict[str, dict[str, float]]:
+async def _solo(target: Target, config: BenchConfig) -> dict[str, dict[str, float]]:
     """Requests of each kind sent alone, timed: what an idle cluster does (calibration)."""
     solo = {}
     for kind in config.workload.kinds:
         timed = []
         for repeat in range(SOLO_WARMUPS + SOLO_TIMED):  # fresh prompt ids: no cache hits
             rng = random.Random(f"{config.seed}/solo/{kind.name}/{repeat}")
-            [result] = await run_plan(address, [sample_request(kind, rng, rng)], config.drain_s)
+            planned = [sample_request(kind, rng, rng)]
+            connection = target.connection.client_kwargs
+            [result] = await run_plan(target.address, planned, config.drain_s, **connection)
             if not result.ok:
                 raise RuntimeError(f"a {kind.name} request alone failed: {result.error}")
             timed += [result] if repeat >= SOLO_WARMUPS else []
         solo[kind.name] = {
-            "ttft_ms": statistics.mean(r.ttft for r in timed) * MS,
-            "tpot_ms": statistics.mean(r.tpot or 0.0 for r in timed) * MS,
+            "ttft_ms": statistics.median(r.ttft for r in timed) * MS,
+            "tpot_ms": statistics.median(r.tpot or 0.0 for r in timed) * MS,
         }
     return solo
 
@@ -308,6 +349,7 @@ def _command_line(args: argparse.Namespace, model: str) -> str:
         words += [f"--worker-arg={a}" for a in args.worker_arg]
     else:
         words += ["--router", router_address(args.router)]
+        words += ["--tls-ca", args.tls_ca] if args.tls_ca else []  # never the API key
     if args.prompt_len:
         words += ["--prompt-len", args.prompt_len, "--output-len", args.output_len]
     else:
@@ -319,7 +361,9 @@ def _command_line(args: argparse.Namespace, model: str) -> str:
         ("--drain", args.drain),
         ("--seed", args.seed),
         ("--ttft-slo-ms", args.ttft_slo_ms),
+        ("--ttft-slo-scale", args.ttft_slo_scale),
         ("--tpot-slo-ms", args.tpot_slo_ms),
     ):
-        words += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+        if value is not None:
+            words += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
     return shlex.join(words)

@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from pdserve.client import Client, Completion, PdserveError
-from pdserve.commands import EXIT_INTERRUPTED, add_router_argument, fail, router_address
+from pdserve.commands import EXIT_INTERRUPTED, EXIT_USAGE, add_router_argument, fail, router_address
+from pdserve.commands.connection import (
+    ConnectionFlagError,
+    add_connection_arguments,
+    connection_from_args,
+)
 from pdserve.core.sampling_params import SamplingParams
 
 # flags that map one-to-one onto SamplingParams fields; unset ones keep the engine's default
@@ -47,6 +52,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print one JSON object at the end instead of streaming text",
     )
+    add_connection_arguments(cmd)
     cmd.set_defaults(run=run)
 
 
@@ -61,7 +67,11 @@ class ClientTimings:
 def run(args: argparse.Namespace) -> int:
     echo = None if args.json else Echo(sys.stdout)
     try:
-        with Client(router_address(args.router)) as client:
+        connection = connection_from_args(args)
+    except ConnectionFlagError as error:
+        return fail("generate", error, EXIT_USAGE)
+    try:
+        with Client(router_address(args.router), **connection.client_kwargs) as client:
             completion, timings = stream(client, args.prompt, sampling_params(args), echo)
     except PdserveError as error:
         _end_line(echo)

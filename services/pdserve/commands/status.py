@@ -16,7 +16,13 @@ from collections.abc import Sequence
 from redis.exceptions import RedisError
 
 from pdserve.client import Client, PdserveError
-from pdserve.commands import add_router_argument, fail, router_address
+from pdserve.commands import EXIT_USAGE, add_router_argument, fail, router_address
+from pdserve.commands.connection import (
+    ConnectionFlagError,
+    RouterConnection,
+    add_connection_arguments,
+    connection_from_args,
+)
 from pdserve.core.workers import ROLES, WorkerInfo
 from pdserve.state.registry import WorkerRegistry
 from pdserve.telemetry.metrics import metrics_url
@@ -57,6 +63,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     )
     add_router_argument(source)
     cmd.add_argument("--json", action="store_true", help="print a JSON list of workers")
+    add_connection_arguments(cmd)  # for --router
     cmd.set_defaults(run=run)
 
 
@@ -65,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
         if args.redis_url and not args.router:
             workers = asyncio.run(_from_registry(args.redis_url))
         else:
-            workers = _from_router(router_address(args.router))
+            workers = _from_router(router_address(args.router), connection_from_args(args))
+    except ConnectionFlagError as error:
+        return fail("status", error, EXIT_USAGE)
     except PdserveError as error:
         return fail("status", error)
     except (RedisError, OSError) as error:
@@ -93,8 +102,8 @@ async def _from_registry(redis_url: str) -> list[WorkerInfo]:
         await registry.close()
 
 
-def _from_router(address: str) -> list[WorkerInfo]:
-    with Client(address) as client:
+def _from_router(address: str, connection: RouterConnection) -> list[WorkerInfo]:
+    with Client(address, **connection.client_kwargs) as client:
         return client.list_workers()
 
 

@@ -1,9 +1,15 @@
-"""`pdserve up`: a whole cluster on this machine, for people. Ctrl-C stops everything."""
+"""`pdserve up`: a whole cluster on this machine, for people. Ctrl-C stops everything.
+
+With `--tls-dir DIR` the cluster runs as a secured one would: mTLS between every process,
+each with its role's certificate from DIR (made there first when DIR is missing or
+empty: `pdserve certs`), and TLS on the router's gRPC port; it prints how to connect.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import threading
 import time
@@ -11,10 +17,12 @@ from pathlib import Path
 
 from rich.console import Console
 
+from pdserve.cluster.certs import CA_CERT, CertDirError
 from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.telemetry.metrics import metrics_url
 
 DEFAULT_ROUTER_PORT = 50051
+API_KEY_ENV = "PDSERVE_API_KEY"  # as `pdserve generate` and `status` read it
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -30,6 +38,13 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     )
     cmd.add_argument("--port", type=int, default=DEFAULT_ROUTER_PORT, help="router port")
     cmd.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="routers on the one Redis (the first on --port, the others on free ports); "
+        "a client given all their addresses rides over the death of one",
+    )
+    cmd.add_argument(
         "--http-port",
         type=int,
         default=None,
@@ -40,6 +55,14 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         "--served-model-name",
         default=None,
         help="the model's name in the OpenAI API, metrics and spans (default: its directory's)",
+    )
+    cmd.add_argument(
+        "--tls-dir",
+        default=None,
+        metavar="DIR",
+        help="mTLS between every process and TLS on the router's port, with the "
+        "certificates in DIR (as `pdserve certs` writes them; made there if DIR is missing "
+        "or empty). Default: plaintext on loopback",
     )
     cmd.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     cmd.add_argument("--run-dir", help="where logs go (default: runs/<timestamp>)")
@@ -71,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     try:
         shape = _shape(args)
+        if args.routers < 1:
+            raise ValueError("--routers must be >= 1")
     except ValueError as exc:
         console.print(f"[red]pdserve up: {exc}[/red]")
         return 2
@@ -89,29 +114,69 @@ def run(args: argparse.Namespace) -> int:
         metrics=True,
         http_port=args.http_port,
         served_model_name=args.served_model_name,
-        on_progress=lambda m: console.print(f"  [dim]•[/dim] {m}"),
+        on_progress=lambda m: console.print(f"  [dim]•[/dim] {m}", highlight=False, soft_wrap=True),
+        num_routers=args.routers,
+        supervise=True,  # a child that dies comes back on its ports, with a line saying so
+        tls_dir=None if args.tls_dir is None else Path(args.tls_dir).resolve(),
+        # routers that ask for keys ($PDSERVE_API_KEY_FILE reaches them): its own calls' key
+        api_key=os.environ.get(API_KEY_ENV) or None,
     )
     console.print(f"pdserve up: {shape} on {model}; logs in {run_dir}")
     try:
         with console.status("starting the cluster..."):
             cluster.start()
-    except (RuntimeError, OSError) as exc:
+    except (RuntimeError, OSError, CertDirError) as exc:
         console.print(f"[red]pdserve up failed:[/red] {exc}")
         return 1
     try:
-        console.print(f"[green]ready[/green]: router at [bold]{cluster.router_address}[/bold]")
-        for line in metrics_lines(cluster) + api_lines(cluster):
-            console.print(line, highlight=False)
-        console.print(f'  try: pdserve generate --router {cluster.router_address} "Hello there"')
-        if cluster.openai_url is not None:
-            console.print(f"   or: curl {cluster.openai_url}/models", highlight=False)
-        console.print("  Ctrl-C stops everything.")
+        print_ready(console, cluster)
         stop.wait()
     finally:
         with console.status("stopping..."):
             cluster.stop()
         console.print("stopped: no process left running")
     return 0
+
+
+def print_ready(console: Console, cluster: LocalCluster) -> None:
+    """Where everything is, and how to send a first request."""
+    secured = " (TLS)" if cluster.tls_dir is not None else ""
+    console.print(f"[green]ready[/green]: router at [bold]{cluster.router_address}[/bold]{secured}")
+    lines = router_lines(cluster) + tls_lines(cluster) + metrics_lines(cluster)
+    for line in lines + api_lines(cluster):
+        console.print(line, highlight=False)
+    for line in try_lines(cluster):
+        console.print(line, highlight=False, soft_wrap=True)
+    console.print("  Ctrl-C stops everything.")
+
+
+def tls_lines(cluster: LocalCluster) -> list[str]:
+    """`tls CA`: the CA that clients of the router's TLS port trust, if TLS is on."""
+    return [] if cluster.tls_dir is None else [f"tls {cluster.tls_dir / CA_CERT}"]
+
+
+def try_lines(cluster: LocalCluster) -> list[str]:
+    """A first request from the shell (and from Python, with TLS); the OpenAI API's models."""
+    address = cluster.router_address
+    if cluster.tls_dir is None:
+        lines = [f'  try: pdserve generate --router {address} "Hello there"']
+    else:
+        ca = cluster.tls_dir / CA_CERT
+        lines = [
+            f"  try: pdserve generate --router {address} --tls-ca {shlex.quote(str(ca))} "
+            '"Hello there"',
+            f"   or: pdserve.client.Client({address!r}, credentials="
+            f"grpc.ssl_channel_credentials(open({str(ca)!r}, 'rb').read()))",
+        ]
+    if cluster.openai_url is not None:  # plaintext HTTP, TLS or not
+        lines.append(f"   or: curl {cluster.openai_url}/models")
+    return lines
+
+
+def router_lines(cluster: LocalCluster) -> list[str]:
+    """`routers A,B`: every router, as a client given all of them takes them (failover)."""
+    addresses = cluster.router_addresses
+    return [f"routers {','.join(addresses)}"] if len(addresses) > 1 else []
 
 
 def metrics_lines(cluster: LocalCluster) -> list[str]:

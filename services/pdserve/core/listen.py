@@ -2,7 +2,8 @@
 
 Without TLS a pdserve server speaks plaintext gRPC, so it binds loopback only unless its
 operator says `--insecure` (`PDSERVE_INSECURE=true`, what the Helm chart sets for pods,
-whose traffic must reach them from other nodes).
+whose traffic must reach them from other nodes). With TLS (`--tls-cert/--tls-key/--tls-ca`)
+it may bind any address: its peers are authenticated, and `--insecure` is not needed.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_bind(host: str, *, insecure: bool) -> None:
-    """Refuses a plaintext server beyond loopback unless `insecure` says it is meant."""
-    if not insecure and not is_loopback(host):
+def check_bind(host: str, *, insecure: bool, tls: bool = False) -> None:
+    """Refuses a plaintext server beyond loopback unless `insecure` says it is meant; a
+    server with TLS (`tls`) may bind anywhere."""
+    if not insecure and not tls and not is_loopback(host):
         raise ValueError(
             f"host {host!r} is beyond loopback and this server has no TLS: "
             "pass --insecure (PDSERVE_INSECURE=true) to serve plaintext there"

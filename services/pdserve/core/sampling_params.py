@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 from pdserve.core.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20
+# Hard caps every engine enforces, whatever the router's own (lower) limits say: the stop
+# matcher's automaton holds at most MAX_STOP_STRINGS * MAX_STOP_LENGTH characters.
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 1024  # characters of one stop string
 
 
 @dataclass(slots=True)
@@ -59,9 +63,23 @@ class SamplingParams:
             _integer("seed", self.seed, low=0, high=2**63 - 1)
         for i, token_id in enumerate(self.stop_token_ids):
             _integer(f"stop_token_ids[{i}]", token_id, low=0, high=vocab_size - 1)
-        for i, text in enumerate(self.stop):
-            if not isinstance(text, str) or not text:
-                raise _invalid(f"stop[{i}]", "must be a non-empty string")
+        check_stop_strings(self.stop, MAX_STOP_STRINGS, MAX_STOP_LENGTH)
+
+
+def check_stop_strings(
+    stop: Sequence[str], max_count: int, max_length: int, field: str = "sampling_params.stop"
+) -> None:
+    """At most `max_count` non-empty strings of at most `max_length` characters each, or
+    InvalidRequestError naming `field` (the list) or `field[i]` (one string)."""
+    if len(stop) > max_count:
+        raise InvalidRequestError(field, f"{len(stop)} stop strings; the limit is {max_count}")
+    for i, text in enumerate(stop):
+        if not isinstance(text, str) or not text:
+            raise InvalidRequestError(f"{field}[{i}]", "must be a non-empty string")
+        if len(text) > max_length:
+            raise InvalidRequestError(
+                f"{field}[{i}]", f"{len(text)} characters; the limit is {max_length}"
+            )
 
 
 def _invalid(name: str, message: str) -> InvalidRequestError:
@@ -116,6 +134,70 @@ def check_request(
             f"{params.max_tokens} plus the {n}-token prompt exceeds the context window "
             f"of {max_model_len}",
         )
+
+
+# The default bound on a prompt's text, per token of the context window. English BPE text
+# is about 4 UTF-8 bytes a token and CJK about 3.6 (3 bytes a character); a vocabulary's
+# longest tokens (runs of spaces or '=') reach 16-128 bytes. 32 lets through any realistic
+# prompt that fits the window and refuses a 15 MB one for a 4k window before tokenizing it.
+PROMPT_BYTES_PER_TOKEN = 32
+_MAX_UTF8_BYTES_PER_CHAR = 4
+_MAX_VARINT_BYTES = 5  # a token id or a length on the wire
+# A request's fields beside its prompt and stop strings: sampling, ids, KServe's tensor
+# names and parameters.
+REQUEST_OVERHEAD_BYTES = 64 << 10
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What one request may hold, checked before its prompt is tokenized: tokenizing costs
+    about a microsecond and several hundred bytes of memory per byte of text."""
+
+    max_prompt_bytes: int  # UTF-8 bytes of a prompt's text
+    max_model_len: int  # the context window: a prompt must leave room for one token
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_length: int = MAX_STOP_LENGTH  # characters
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_bytes", "max_model_len", "max_stop_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.max_stop_strings <= MAX_STOP_STRINGS:
+            raise ValueError(f"max_stop_strings must be in [0, {MAX_STOP_STRINGS}]")
+        if self.max_stop_length > MAX_STOP_LENGTH:
+            raise ValueError(f"max_stop_length must be <= {MAX_STOP_LENGTH}")
+
+    def max_message_bytes(self) -> int:
+        """The largest request message a router takes: the longest prompt these limits
+        allow (text or token ids), its stop strings, and room for the rest. gRPC refuses a
+        larger one before parsing it, so no field is ever held far past its limit."""
+        prompt = max(self.max_prompt_bytes, _MAX_VARINT_BYTES * self.max_model_len)
+        stop = self.max_stop_strings * (4 * self.max_stop_length + _MAX_VARINT_BYTES + 1)
+        return prompt + stop + REQUEST_OVERHEAD_BYTES
+
+    def max_json_body_bytes(self) -> int:
+        """The same request as an HTTP JSON body: a JSON string spends at most 6 bytes
+        (`\\u00XX`) on a byte of text, and a token id at most 11 (`4294967295,`)."""
+        return max(6 * self.max_message_bytes(), 11 * self.max_model_len + REQUEST_OVERHEAD_BYTES)
+
+    def check_text(self, text: str, field: str) -> None:
+        """InvalidRequestError naming `field` if `text` is over max_prompt_bytes in UTF-8."""
+        limit = self.max_prompt_bytes
+        # characters <= UTF-8 bytes <= 4 x characters: only a text near the limit is encoded
+        if len(text) > limit or (
+            len(text) * _MAX_UTF8_BYTES_PER_CHAR > limit and len(text.encode()) > limit
+        ):
+            raise InvalidRequestError(field, f"exceeds the limit of {limit} bytes (UTF-8)")
+
+    def check_num_tokens(self, num_tokens: int, field: str) -> None:
+        """InvalidRequestError naming `field` if a prompt leaves no room in the window."""
+        if num_tokens >= self.max_model_len:
+            raise InvalidRequestError(
+                field, f"{num_tokens} tokens; the context window is {self.max_model_len}"
+            )
+
+    def check_stop(self, stop: Sequence[str], field: str) -> None:
+        check_stop_strings(stop, self.max_stop_strings, self.max_stop_length, field)
 
 
 @dataclass(slots=True)

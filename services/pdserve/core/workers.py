@@ -34,7 +34,14 @@ class WorkerInfo:
     updated_at: float = 0.0  # unix seconds, by the clock of whoever measured the load
     healthy: bool = True
     metrics_address: str = ""  # host:port of its GET /metrics; "": it serves none
+    # host:port of its KVTransfer when on a port of its own (--kv-port); "": on `address`
+    kv_address: str = ""
     protocol_version: int = PROTOCOL_VERSION  # what it speaks (core/protocol.py)
+    # where to prefill (router/disaggregation.py): prompt tokens still to compute there,
+    # its recent step time, its recent prefill speed; 0: not measured (or an older worker)
+    queued_prefill_tokens: int = 0
+    step_time_ms: float = 0.0
+    prefill_tokens_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

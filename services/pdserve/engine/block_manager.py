@@ -4,6 +4,10 @@ Only block ids live here; the model runner owns the KV tensors the ids index. A 
 is named by a hash chained from the hash of the block before it, so one hash names a
 whole prefix. Freed blocks keep their hash until they are handed out again: they are the
 prefix cache, evicted least recently freed first.
+
+A request may be kept out of the prefix cache (`keep_private`): KV another process wrote
+into its blocks (a decode worker's import) is then never found by another request, so
+forged KV, if any, reaches only the request it came with.
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ class BlockManager:
         self._cached_blocks: dict[bytes, int] = {}
         # per request id: how many of its leading blocks cache_full_blocks has registered
         self._num_registered_blocks: dict[str, int] = {}
+        # requests whose blocks are not registered, until they free them (`keep_private`)
+        self._private_request_ids: set[str] = set()
         self.prefix_cache_queries = 0  # tokens of requests looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found cached
 
@@ -133,9 +139,19 @@ class BlockManager:
         request.block_ids.extend(new_block_ids)
         return new_block_ids
 
+    def keep_private(self, request: Request) -> None:
+        """Never make the blocks the request holds now findable by their hashes.
+
+        For KV this process did not compute (imported, and not from a trusted peer): no
+        other request shares it. It lasts until the request frees its blocks; a preempted
+        request recomputes its KV here, and those blocks are cached as any others.
+        """
+        self._private_request_ids.add(request.request_id)
+
     def cache_full_blocks(self, request: Request) -> None:
-        """Make every full, computed block of the request findable by its hash."""
-        if not self.enable_prefix_caching:
+        """Make every full, computed block of the request findable by its hash (unless the
+        request is `keep_private`)."""
+        if not self.enable_prefix_caching or request.request_id in self._private_request_ids:
             return
         start = self._num_registered_blocks.get(request.request_id, 0)
         end = request.num_computed_tokens // self.block_size
@@ -156,6 +172,7 @@ class BlockManager:
             self._release(block_id)
         request.block_ids = []
         self._num_registered_blocks.pop(request.request_id, None)
+        self._private_request_ids.discard(request.request_id)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix; blocks in use keep their contents."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.scheduling import DEFAULT_AGING, SchedulingPolicy
+
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # Share of the free GPU memory (after weights) that the KV cache takes at start-up.
@@ -52,6 +54,21 @@ class EngineConfig:
         default=True, metadata={"help": "split long prompts across engine steps"}
     )
     seed: int = field(default=0, metadata={"help": "seed of requests that set none"})
+    scheduling_policy: SchedulingPolicy = field(
+        default=SchedulingPolicy.LEAST_WORK,
+        metadata={
+            "help": "which prompts get a step's token budget first: fcfs (arrival order), "
+            "priority (then arrival), least_work (priority, then least remaining prefill "
+            "work, aged so that a long prompt is never starved)"
+        },
+    )
+    scheduling_aging: float = field(
+        default=DEFAULT_AGING,
+        metadata={
+            "help": "least_work: prefill tokens taken off a waiting prompt's remaining work "
+            "per token the engine computes (higher: closer to arrival order)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -62,6 +79,9 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu', 'cuda[:N]' or 'auto', got {self.device!r}")
         if self.device.startswith("cuda") and not _cuda_available():
             raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
+        self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)
+        if self.scheduling_aging <= 0:
+            raise ValueError(f"scheduling_aging must be > 0, got {self.scheduling_aging}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

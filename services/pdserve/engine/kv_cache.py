@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from pdserve.core.errors import KVChecksumError, KVChunkError
+from pdserve.core.errors import InvalidRequestError, KVChecksumError
 from pdserve.core.kv_chunk import KVLayerChunk, crc32
 from pdserve.core.model_config import ModelConfig
 from pdserve.engine.config import CUDA_KV_CACHE_FRACTION, DEFAULT_CPU_KV_CACHE_BYTES
@@ -56,22 +56,40 @@ class KVCache:
         return KVLayerChunk(layer, _DTYPE_NAMES[self.dtype], tuple(tensor.shape), data, crc32(data))
 
     def import_layer(self, chunk: KVLayerChunk, block_ids: list[int]) -> None:
-        """Write a chunk into our blocks ``block_ids`` (as many as the chunk holds)."""
+        """Write a chunk into our blocks ``block_ids`` (as many as the chunk holds).
+
+        Raises InvalidRequestError naming the chunk's field at fault (dtype, shape, data
+        size, or values that are not finite: NaN or infinite KV turns every later
+        attention score it meets into NaN), KVChecksumError for damaged bytes. Nothing is
+        written unless the whole chunk passes.
+        """
         expected = (2, len(block_ids), *self.block_shape)
-        if chunk.dtype != _DTYPE_NAMES[self.dtype] or tuple(chunk.shape) != expected:
-            raise KVChunkError(
-                f"KV chunk of layer {chunk.layer} is {chunk.dtype}{list(chunk.shape)}, "
-                f"expected {_DTYPE_NAMES[self.dtype]}{list(expected)}"
+        if chunk.dtype != _DTYPE_NAMES[self.dtype]:
+            raise InvalidRequestError(
+                "kv_chunk.dtype",
+                f"{chunk.dtype!r} in layer {chunk.layer}, expected {_DTYPE_NAMES[self.dtype]!r}",
+            )
+        if tuple(chunk.shape) != expected:
+            raise InvalidRequestError(
+                "kv_chunk.shape",
+                f"{list(chunk.shape)} in layer {chunk.layer}, expected {list(expected)}",
             )
         expected_bytes = math.prod(expected) * self.blocks.element_size()
         if len(chunk.data) != expected_bytes:
-            raise KVChunkError(
-                f"KV chunk of layer {chunk.layer} holds {len(chunk.data)} bytes, "
-                f"expected {expected_bytes}"
+            raise InvalidRequestError(
+                "kv_chunk.data",
+                f"layer {chunk.layer} holds {len(chunk.data)} bytes, expected {expected_bytes}",
             )
         if crc32(chunk.data) != chunk.checksum:
             raise KVChecksumError(f"KV chunk of layer {chunk.layer} fails its checksum")
         flat = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8)
         tensor = flat.view(_DTYPES[chunk.dtype]).view(expected).to(self.device)
+        # Every value is finite exactly when the smallest and the largest are (NaN
+        # propagates through both): one reduction, a fraction of the import's time, where
+        # `isfinite(tensor).all()` writes a bool per value and cost as much as the import.
+        if not bool(torch.isfinite(torch.stack(torch.aminmax(tensor))).all()):
+            raise InvalidRequestError(
+                "kv_chunk.data", f"layer {chunk.layer} holds NaN or infinite values"
+            )
         index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
         self.blocks[chunk.layer].index_copy_(1, index, tensor)

@@ -81,6 +81,8 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                policy=config.scheduling_policy,
+                aging=config.scheduling_aging,
             ),
             self.block_manager,
         )
@@ -110,11 +112,17 @@ class LLMEngine:
         prompt: Prompt,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
     ) -> str:
-        """Queue a request (text or token ids); return its id. Raises InvalidRequestError."""
+        """Queue a request (text or token ids); return its id. Raises InvalidRequestError.
+
+        `priority`: lower runs first (see engine/scheduling.py); the default policy puts
+        it before the prompt's length.
+        """
         params = params if params is not None else SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = self._new_request(request_id, prompt, params)
+        request.priority = priority
         with self._state_lock:
             if self.scheduler.get_request(request_id) is not None:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already running")
@@ -277,12 +285,20 @@ class LLMEngine:
             )
         self.kv_cache.import_layer(chunk, block_ids)
 
-    def commit_kv(self, request_id: str, first_token_id: int) -> None:
-        """The prompt's KV is complete: continue the request from its first token."""
+    def commit_kv(self, request_id: str, first_token_id: int, *, shared: bool = False) -> None:
+        """The prompt's KV is complete: continue the request from its first token.
+
+        `shared`: the imported KV joins the prefix cache, where later requests with the
+        same prefix use it. Only for KV from a peer this process trusts: by default no
+        other request ever reads it (`BlockManager.keep_private`), so KV forged by
+        whoever could push it misleads only the request it came with.
+        """
         with self._state_lock:
             request = self._reserved.pop(request_id, None)
             if request is None:
                 raise UnknownRequestError(request_id)
+            if not shared:
+                self.block_manager.keep_private(request)
             request.num_computed_tokens = request.num_prompt_tokens
             request.append_output_token(first_token_id)
             self.outputs.add(request, already_sent=[first_token_id])

@@ -55,6 +55,12 @@ class Request:
     # chained hashes of this request's full blocks, computed once per block
     block_hashes: list[bytes] = field(default_factory=list)
     num_preemptions: int = 0
+    # lower runs first (the public API's `priority`, as in vLLM); see engine/scheduling.py
+    priority: int = 0
+    # set by the scheduler when the request is queued: its place in arrival order, and the
+    # tokens the engine had computed by then (how long it has waited, in work: aging)
+    arrival_index: int = 0
+    work_at_arrival: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,9 +1,14 @@
 """Continuous batching: which requests run this step, and how many tokens each. No tensors.
 
-Each step, running requests are served first, in admission order, then waiting requests
-are admitted first-in first-out. A prompt larger than the token budget is split into
-chunks. When blocks run out, the newest running request is preempted: its blocks are
-freed and it goes back to the front of the waiting queue, to be recomputed later.
+Each step, the requests that are decoding are served first (one token each, in admission
+order); what is left of the token budget goes to the requests with prompt tokens still to
+compute, waiting ones and those partway through a chunked prefill alike, in the order of
+the scheduling policy (`engine/scheduling.py`: arrival order, priority, or the least
+remaining work with aging). A prompt larger than what is left of the budget is split into
+chunks, so `max_num_batched_tokens` bounds every step, and a long prompt running in chunks
+pauses for the shorter ones the policy puts first. When blocks run out, the newest running
+request not yet planned in the step is preempted: its blocks are freed and it goes back to
+the front of the waiting queue, to be recomputed later.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduling import DEFAULT_AGING, SchedulingPolicy, remaining_prefill_tokens
 
 
 @dataclass(slots=True, kw_only=True)
@@ -22,8 +28,15 @@ class SchedulerConfig:
     max_num_seqs: int = 64  # running requests at once
     max_num_batched_tokens: int = 2048  # tokens computed per step, all requests together
     enable_chunked_prefill: bool = True
+    # The order of prefill work. Arrival order here, the plain continuous batching this
+    # module's own tests pin; engines take theirs from EngineConfig (LEAST_WORK there).
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    aging: float = DEFAULT_AGING  # LEAST_WORK: remaining work taken off per token computed
 
     def __post_init__(self) -> None:
+        self.policy = SchedulingPolicy(self.policy)
+        if self.aging <= 0:
+            raise ValueError(f"aging must be > 0, got {self.aging}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -77,7 +90,7 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    # running requests first, in their order, then the newly admitted ones
+    # decoding requests first, in admission order, then prefill work in policy order
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     # requests that finished or were aborted since the last step: workers drop their state
@@ -98,6 +111,8 @@ class Scheduler:
         self._requests: dict[str, Request] = {}  # unfinished requests, waiting or running
         self._finished_request_ids: list[str] = []
         self.num_preemptions = 0  # since the start, for metrics
+        self.num_scheduled_tokens = 0  # every token planned since the start (aging's clock)
+        self._num_arrivals = 0
 
     @property
     def num_waiting(self) -> int:
@@ -106,6 +121,13 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute, waiting and partway-prefilled requests together:
+        the prefill work ahead of a new request (what load reports carry to routers)."""
+        prefilling = (r for r in self.running if remaining_prefill_tokens(r) > 1)
+        return sum(remaining_prefill_tokens(r) for r in (*self.waiting, *prefilling))
 
     @property
     def max_blocks_per_request(self) -> int:
@@ -144,6 +166,8 @@ class Scheduler:
                 f"{self.max_blocks_per_request} blocks of {self.block_manager.block_size}"
             )
         request.status = RequestStatus.WAITING
+        request.arrival_index, self._num_arrivals = self._num_arrivals, self._num_arrivals + 1
+        request.work_at_arrival = self.num_scheduled_tokens
         self.waiting.append(request)
         self._requests[request.request_id] = request
 
@@ -157,6 +181,8 @@ class Scheduler:
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.num_cached_tokens = 0  # computed elsewhere, not served from this cache
+        request.arrival_index, self._num_arrivals = self._num_arrivals, self._num_arrivals + 1
+        request.work_at_arrival = self.num_scheduled_tokens
         self.block_manager.cache_full_blocks(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -188,11 +214,12 @@ class Scheduler:
         """
         output = SchedulerOutput(finished_request_ids=self._finished_request_ids)
         self._finished_request_ids = []
-        token_budget = self._schedule_running(output, self.config.max_num_batched_tokens)
-        # a preemption means blocks are short: let the running requests drain first
-        if not output.preempted_request_ids:
-            self._schedule_waiting(output, token_budget)
+        planned: set[str] = set()  # ids scheduled in this step: never preempted by it
+        token_budget = self._schedule_decodes(output, planned, self.config.max_num_batched_tokens)
+        if token_budget > 0:
+            self._schedule_prefills(output, planned, token_budget)
         output.num_batched_tokens = sum(s.num_new_tokens for s in output.scheduled)
+        self.num_scheduled_tokens += output.num_batched_tokens
         return output
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
@@ -221,46 +248,93 @@ class Scheduler:
                 self._finish(request, stop_status)
         return updated
 
-    def _schedule_running(self, output: SchedulerOutput, token_budget: int) -> int:
-        """Schedule running requests in order, preempting the newest when blocks run out."""
+    def _schedule_decodes(self, output: SchedulerOutput, planned: set[str], budget: int) -> int:
+        """One token for each decoding request in admission order; returns the budget left."""
         index = 0
-        while index < len(self.running) and token_budget > 0:
+        while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            while self.block_manager.allocate_slots(request, num_new_tokens) is None:
-                # the newest request is never one already scheduled: those come before it
-                victim = self.running.pop()
-                self._preempt(victim)
-                output.preempted_request_ids.append(victim.request_id)
-                if victim is request:
-                    return token_budget
-            output.scheduled.append(ScheduledRequest.plan(request, num_new_tokens))
-            token_budget -= num_new_tokens
             index += 1
-        return token_budget
+            if remaining_prefill_tokens(request) != 1:
+                continue  # prefill work: the policy orders it (`_schedule_prefills`)
+            if not self._allocate_or_preempt(request, 1, output, planned):
+                return budget
+            self._plan(output, planned, request, 1)
+            budget -= 1  # (victims come after the request in the list: `index` stays right)
+        return budget
 
-    def _schedule_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
-        """Admit waiting requests first-in first-out; stop at the first that does not fit."""
-        while self.waiting and token_budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            computed_blocks, num_computed_tokens = self.block_manager.get_computed_blocks(request)
-            num_new_tokens = request.num_tokens - num_computed_tokens
-            if num_new_tokens > token_budget:
-                if not self.config.enable_chunked_prefill:
-                    return
-                num_new_tokens = token_budget
-            request.num_computed_tokens = num_computed_tokens  # allocate_slots counts from it
-            if self.block_manager.allocate_slots(request, num_new_tokens, computed_blocks) is None:
-                request.num_computed_tokens = 0
+    def _schedule_prefills(self, output: SchedulerOutput, planned: set[str], budget: int) -> None:
+        """Give the budget to prefill work in policy order, chunking what does not fit.
+
+        Waiting requests are admitted until the first one that does not fit (blocks,
+        `max_num_seqs`, or unchunked over the budget) and not at all in a step that
+        preempted (blocks are short: the running requests drain first); requests partway
+        through a chunked prefill go on in their turn either way.
+        """
+        policy, aging = self.config.policy, self.config.aging
+        prefilling = [r for r in self.running if r.request_id not in planned]
+        candidates = sorted([*prefilling, *self.waiting], key=lambda r: policy.key(r, aging))
+        admitting = not output.preempted_request_ids
+        for request in candidates:
+            if budget <= 0:
                 return
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            if request.num_cached_tokens is None:  # first scheduling only, not after preemption
-                request.num_cached_tokens = num_computed_tokens
-                request.scheduled_time = time.monotonic()
-            self.running.append(request)
-            output.scheduled.append(ScheduledRequest.plan(request, num_new_tokens))
-            token_budget -= num_new_tokens
+            if request.status == RequestStatus.RUNNING:
+                num_new_tokens = min(remaining_prefill_tokens(request), budget)
+                if self._allocate_or_preempt(request, num_new_tokens, output, planned):
+                    self._plan(output, planned, request, num_new_tokens)
+                    budget -= num_new_tokens
+                admitting = admitting and not output.preempted_request_ids
+            elif admitting and request in self.waiting:  # (not one preempted just now)
+                num_new_tokens = self._admit(request, budget)
+                if num_new_tokens is None:
+                    admitting = False
+                    continue
+                self._plan(output, planned, request, num_new_tokens)
+                budget -= num_new_tokens
+
+    def _admit(self, request: Request, budget: int) -> int | None:
+        """Move a waiting request to running with its first chunk's slots allocated; its
+        number of tokens this step, or None when it does not fit now."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
+        computed_blocks, num_computed_tokens = self.block_manager.get_computed_blocks(request)
+        num_new_tokens = request.num_tokens - num_computed_tokens
+        if num_new_tokens > budget:
+            if not self.config.enable_chunked_prefill:
+                return None
+            num_new_tokens = budget
+        request.num_computed_tokens = num_computed_tokens  # allocate_slots counts from it
+        if self.block_manager.allocate_slots(request, num_new_tokens, computed_blocks) is None:
+            request.num_computed_tokens = 0
+            return None
+        self.waiting.remove(request)
+        request.status = RequestStatus.RUNNING
+        if request.num_cached_tokens is None:  # first scheduling only, not after preemption
+            request.num_cached_tokens = num_computed_tokens
+            request.scheduled_time = time.monotonic()
+        self.running.append(request)
+        return num_new_tokens
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new_tokens: int, output: SchedulerOutput, planned: set[str]
+    ) -> bool:
+        """Allocate a running request's slots, preempting the newest running requests not
+        planned in this step until they fit; False if the request itself had to go."""
+        while self.block_manager.allocate_slots(request, num_new_tokens) is None:
+            # the request itself is running and unplanned, so a victim always exists
+            victim = next(r for r in reversed(self.running) if r.request_id not in planned)
+            self.running.remove(victim)
+            self._preempt(victim)
+            output.preempted_request_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    @staticmethod
+    def _plan(
+        output: SchedulerOutput, planned: set[str], request: Request, num_new_tokens: int
+    ) -> None:
+        output.scheduled.append(ScheduledRequest.plan(request, num_new_tokens))
+        planned.add(request.request_id)
 
     def _preempt(self, request: Request) -> None:
         self.block_manager.free(request)

@@ -8,6 +8,7 @@ ids and a stream of sampled ids back into a stream of text deltas.
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -76,8 +77,12 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Without `add_special_tokens`, only what the text says (a rendered chat prompt
-        already holds its BOS): as `transformers`' `apply_chat_template` tokenizes."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        already holds its BOS): as `transformers`' `apply_chat_template` tokenizes.
+
+        Releases the GIL while it runs (`encode_batch` does, `encode` does not), so a
+        thread can tokenize a long prompt while the caller's event loop serves others.
+        """
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Ids the tokenizer does not know (a padded model vocabulary) decode to nothing."""
@@ -235,7 +240,15 @@ class StopStringMatcher:
     It holds back the longest suffix of the text seen so far that could still begin a stop
     string, so the held text is always shorter than the longest stop string. When stop strings
     overlap, the one that completes first in the stream wins (on a tie, the one that starts
-    first), so the result does not depend on how the text was split into deltas.
+    first, i.e. the longest), so the result does not depend on how the text was split into
+    deltas.
+
+    The stop strings form an Aho-Corasick automaton: a state is the longest suffix of the
+    text so far that is a prefix of some stop string (so its depth is the held text's
+    length), and each character moves it along a goto edge or down failure links. A
+    character costs amortized O(1) whatever the number of stop strings (a failure link
+    only shortens the state, which each character lengthens by at most one); building
+    costs O(their total length).
     """
 
     def __init__(self, stops: Sequence[str]):
@@ -244,7 +257,8 @@ class StopStringMatcher:
                 raise InvalidRequestError(
                     f"sampling_params.stop[{i}]", "must be a non-empty string"
                 )
-        self._stops = tuple(stops)
+        self._automaton = _StopAutomaton(stops)
+        self._state = _ROOT
         self._held = ""
         self._stopped = False
 
@@ -260,36 +274,82 @@ class StopStringMatcher:
         """
         if self._stopped:
             return "", True
+        automaton, state = self._automaton, self._state
         text = self._held + delta
-        stop_start = self._first_stop_start(text)
-        if stop_start is not None:
-            self._held = ""
-            self._stopped = True
-            return text[:stop_start], True
-        num_held = self._num_partial_suffix_chars(text)
+        for end, char in enumerate(delta, start=len(self._held) + 1):
+            state = automaton.step(state, char)
+            match_length = automaton.match_length[state]
+            if match_length:  # the first stop string to complete, and the longest ending here
+                self._held, self._stopped = "", True
+                return text[: end - match_length], True
+        self._state = state
+        num_held = automaton.depth[state]
         self._held = text[len(text) - num_held :]
         return text[: len(text) - num_held], False
 
     def flush(self) -> str:
         """The held-back text, for when the output ends for another reason."""
         held, self._held = self._held, ""
+        self._state = _ROOT
         return held
 
-    def _first_stop_start(self, text: str) -> int | None:
-        # (end, start) of each stop string's first occurrence; the smallest completes first
-        matches = []
-        for stop in self._stops:
-            start = text.find(stop)
-            if start != -1:
-                matches.append((start + len(stop), start))
-        return min(matches)[1] if matches else None
 
-    def _num_partial_suffix_chars(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
+_ROOT = 0
+_CHAR_BITS = 21  # code points are below 0x110000 = 2**21: one int keys (state, character)
+
+
+class _StopAutomaton:
+    """Aho-Corasick over the stop strings, states numbered from the root (0).
+
+    `depth[s]` is the length of the string state `s` stands for; `match_length[s]` the
+    length of the longest stop string ending there (0: none); goto edges are one dict keyed
+    `state << 21 | code point`, so the automaton is a few lists and one dict whatever the
+    alphabet.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.depth = [0]
+        self.match_length = [0]
+        self._goto: dict[int, int] = {}
+        for stop in stops:
+            state = _ROOT
+            for char in stop:
+                state = self._child(state, char)
+            self.match_length[state] = len(stop)
+        self._fail = [_ROOT] * len(self.depth)
+        self._link_failures()
+
+    def _child(self, state: int, char: str) -> int:
+        key = state << _CHAR_BITS | ord(char)
+        child = self._goto.get(key)
+        if child is None:
+            child = self._goto[key] = len(self.depth)
+            self.depth.append(self.depth[state] + 1)
+            self.match_length.append(0)
+        return child
+
+    def _link_failures(self) -> None:
+        """Breadth first, so a state's failure target (shorter) is linked before it."""
+        children: list[list[tuple[str, int]]] = [[] for _ in self.depth]
+        for key, child in self._goto.items():
+            children[key >> _CHAR_BITS].append((chr(key & ((1 << _CHAR_BITS) - 1)), child))
+        queue = deque(child for _, child in children[_ROOT])
+        while queue:
+            state = queue.popleft()
+            for char, child in children[state]:
+                self._fail[child] = self.step(self._fail[state], char)
+                # a stop string ending here, or the longest one ending at a shorter suffix
+                if not self.match_length[child]:
+                    self.match_length[child] = self.match_length[self._fail[child]]
+                queue.append(child)
+
+    def step(self, state: int, char: str) -> int:
+        """The state after `char`: the longest suffix that is still a stop's prefix."""
+        code = ord(char)
+        while True:
+            child = self._goto.get(state << _CHAR_BITS | code)
+            if child is not None:
+                return child
+            if state == _ROOT:
+                return _ROOT
+            state = self._fail[state]

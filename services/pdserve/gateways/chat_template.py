@@ -169,7 +169,11 @@ class ChatTemplate:
 
     def prompt_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The rendered prompt's token ids, with no special tokens added to what it says."""
-        return self.tokenizer.encode(self.render(messages), add_special_tokens=False)
+        return self.encode(self.render(messages))
+
+    def encode(self, rendered: str) -> list[int]:
+        """A rendered prompt's token ids: the template wrote its special tokens itself."""
+        return self.tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def _without_nulls(message: Mapping[str, Any]) -> dict[str, Any]:

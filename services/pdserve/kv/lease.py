@@ -149,12 +149,13 @@ class LeaseTable:
     def check_chunk(self, lease_id: str, layer: int, first_block: int, num_blocks: int) -> Lease:
         """The open lease a chunk may be written into, or LeaseError saying why not."""
         lease = self.open_lease(lease_id)
+        # Each message starts with the chunk's field at fault, as a bad field's does.
         if not 0 <= layer < lease.num_layers:
-            raise LeaseRangeError(f"layer {layer} outside [0, {lease.num_layers})")
+            raise LeaseRangeError(f"kv_chunk.layer: {layer} outside [0, {lease.num_layers})")
         if num_blocks < 1 or first_block < 0 or first_block + num_blocks > lease.num_blocks:
             raise LeaseRangeError(
-                f"blocks [{first_block}, {first_block + num_blocks}) outside the lease's "
-                f"{lease.num_blocks}",
+                f"kv_chunk.first_block: blocks [{first_block}, {first_block + num_blocks}) "
+                f"outside the lease's {lease.num_blocks}",
             )
         return lease
 

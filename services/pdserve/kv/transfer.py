@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.api.v1 import kv_transfer_pb2
-from pdserve.core.errors import KVChecksumError
+from pdserve.core.errors import InvalidRequestError, KVChecksumError
 from pdserve.core.kv_chunk import KVLayerChunk, crc32
 from pdserve.kv.codec import (
     HEADER_ALLOWANCE_BYTES,
@@ -51,9 +51,17 @@ MESSAGES_QUEUED_PER_STREAM = 2
 _SERVICE = kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"]
 PUSH_KV_METHOD = f"/{_SERVICE.full_name}/PushKV"
 _END = object()  # closes a stream's queue
+# A chunk's shape: K and V, its blocks, then a block's (engine/kv_cache.py's layout).
+KV_CHUNK_DIMENSIONS = ("kv", "block", "slot", "head", "dim")
 PUSHER_THREAD = "kv-pusher"  # the name of each pusher's thread
 
 OnChunk = Callable[[str, int, KVLayerChunk], None]
+# (target, options) -> a grpc.aio channel; made on the pusher's own loop
+ChannelFactory = Callable[[str, Sequence[tuple]], grpc.aio.Channel]
+
+
+def _insecure_channel(target: str, options: Sequence[tuple]) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(target, options=list(options))
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -101,6 +109,7 @@ class KVPusher:
         *,
         num_streams: int = DEFAULT_NUM_STREAMS,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        open_channel: ChannelFactory | None = None,
     ):
         if num_streams < 1:
             raise ValueError(f"num_streams must be at least 1, got {num_streams}")
@@ -108,6 +117,8 @@ class KVPusher:
             raise ValueError(f"max_message_bytes must be positive, got {max_message_bytes}")
         self.target, self.num_streams = target, num_streams
         self.max_message_bytes = max_message_bytes
+        # how each stream's channel is made: plaintext, or mTLS (`rpc.tls.ChannelTls`)
+        self._open_channel = open_channel or _insecure_channel
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name=PUSHER_THREAD, daemon=True
@@ -170,7 +181,7 @@ class KVPusher:
         # A local subchannel pool gives each channel its own TCP connection; with the
         # global pool, channels to one target with equal options share one.
         options = [*channel_options(self.max_message_bytes), ("grpc.use_local_subchannel_pool", 1)]
-        return [grpc.aio.insecure_channel(self.target, options) for _ in range(self.num_streams)]
+        return [self._open_channel(self.target, options) for _ in range(self.num_streams)]
 
     async def _close_channels(self) -> None:
         for channel in self._channels:
@@ -267,7 +278,8 @@ async def receive_push(request_iterator, on_chunk: OnChunk) -> kv_transfer_pb2.P
     """Consume one PushKV stream on a grpc.aio server: verify each chunk, pass it on.
 
     Requests are ``ReceivedChunk`` (servicers registered with ``add_kv_transfer_servicer``:
-    no copies) or ``KVChunk`` protos (the generated registration). ``on_chunk(lease_id,
+    no copies) or ``KVChunk`` protos (the generated registration), or the exception that
+    parsing a message gave (it fails the push like a bad chunk). ``on_chunk(lease_id,
     first_block, chunk)`` runs on the event loop for each message in order, after its
     crc32 matched. An exception from it, or ``KVChecksumError``, ends the push: it
     propagates to the servicer, whose error mapping turns it into a status.
@@ -283,12 +295,16 @@ async def receive_push(request_iterator, on_chunk: OnChunk) -> kv_transfer_pb2.P
     async for request in request_iterator:
         if failure is not None:
             continue
+        if isinstance(request, Exception):  # a message that did not parse: why not
+            failure = request
+            continue
         lease_id, first_block, chunk = (
             request if isinstance(request, ReceivedChunk) else from_proto(request)
         )
         try:
             # Inline: on_chunk (the cache import) runs on the loop anyway, and handing the
             # crc to an executor thread cost more CPU than it saved on the 2-core benchmark.
+            _check_header(chunk)
             if crc32(chunk.data) != chunk.checksum:
                 raise KVChecksumError(
                     f"KV chunk of lease {lease_id!r}, layer {chunk.layer}, first block "
@@ -303,6 +319,18 @@ async def receive_push(request_iterator, on_chunk: OnChunk) -> kv_transfer_pb2.P
     if failure is not None:
         raise failure
     return kv_transfer_pb2.PushKVResult(chunks=num_chunks, bytes=num_bytes)
+
+
+def _check_header(chunk: KVLayerChunk) -> None:
+    """What every later check takes for granted: a shape of the cache's five dimensions.
+
+    The receiver compares the rest with its own cache (engine/kv_cache.py)."""
+    if len(chunk.shape) != len(KV_CHUNK_DIMENSIONS):
+        raise InvalidRequestError(
+            "kv_chunk.shape",
+            f"has {len(chunk.shape)} dimensions, expected {len(KV_CHUNK_DIMENSIONS)} "
+            f"[{', '.join(KV_CHUNK_DIMENSIONS)}]",
+        )
 
 
 # KVTransfer's requests parsed without copying their payloads (`add_servicer`'s option):

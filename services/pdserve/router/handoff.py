@@ -18,7 +18,9 @@ from opentelemetry.trace import SpanKind
 
 from pdserve.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from pdserve.core.block_hash import num_blocks_for, prompt_block_hashes
+from pdserve.router.breaker import DEFAULT_ADMIT_TIMEOUT_S, DEFAULT_PREFILL_TIMEOUT_S
 from pdserve.router.relay import DEFAULT_STREAM_PROGRESS_TIMEOUT_S, DecodeRelays, RelayStream
+from pdserve.rpc.tls import ChannelTls
 from pdserve.rpc.wire import is_final
 from pdserve.rpc.wire.router import prefill_response_to_delta
 from pdserve.telemetry import tracing
@@ -26,6 +28,74 @@ from pdserve.telemetry import tracing
 log = logging.getLogger(__name__)
 RELEASE_TIMEOUT_S = 5.0
 DEFAULT_LEASE_TTL_S = 10.0
+MAX_ERROR_CHARS = 160  # of one failure's text in a request's final status
+
+
+@dataclass(frozen=True, slots=True)
+class Deadlines:
+    """The router's own deadlines on its calls to workers (`RouterConfig.deadlines`);
+    a call gets the shorter of this and what is left of the client's."""
+
+    admit_s: float = DEFAULT_ADMIT_TIMEOUT_S
+    prefill_s: float = DEFAULT_PREFILL_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        for name in ("admit_s", "prefill_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+class WorkerTimeout(grpc.aio.AioRpcError):
+    """A worker call passed the router's deadline (or its worker stopped heartbeating
+    while it ran): UNAVAILABLE, so that it fails over as for a dead worker."""
+
+    def __init__(self, worker: str, method: str, why: str):
+        details = f"worker {worker} {why} during {method}"
+        super().__init__(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+        )
+        self.worker, self.method = worker, method
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFailure:
+    """One worker failing one attempt of a request, as its final status names it."""
+
+    attempt: int  # from 1
+    role: str  # "prefill" or "decode"
+    worker: str
+    error: str  # `CODE: details`, shortened
+
+    def __str__(self) -> str:
+        return f"#{self.attempt} {self.role} {self.worker}: {self.error}"
+
+
+def error_text(error: BaseException) -> str:
+    """`CODE: details` of a gRPC error (else `Type: message`), at most MAX_ERROR_CHARS."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        text = f"{error.code().name}: {error.details()}"
+    else:
+        text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
+
+
+class AttemptHistory:
+    """Every attempt of one request and what failed in each: shared by all its `Attempt`s
+    (`dataclasses.replace` keeps the same object), kept by the runner."""
+
+    __slots__ = ("num_attempts", "failures")
+
+    def __init__(self) -> None:
+        self.num_attempts = 0
+        self.failures: list[WorkerFailure] = []
+
+    def failed(self, role: str, worker: str, error: BaseException) -> None:
+        self.failures.append(WorkerFailure(self.num_attempts, role, worker, error_text(error)))
+
+    def summary(self, max_listed: int = 8) -> str:
+        listed = "; ".join(str(f) for f in self.failures[:max_listed])
+        more = len(self.failures) - max_listed
+        return listed + (f"; and {more} more" if more > 0 else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +110,9 @@ class Attempt:
     # cache-aware routing compares); 0 and () until `for_block_size`
     block_size: int = 0
     block_hashes: list[str] = field(default_factory=list)
+    priority: int = 0  # the public request's: lower runs first on the workers
+    # what failed in this request's attempts so far (one object for all of them)
+    history: AttemptHistory = field(default_factory=AttemptHistory, compare=False, repr=False)
 
     def for_block_size(self, block_size: int) -> Attempt:
         """This attempt on a pool whose workers use `block_size`."""
@@ -59,6 +132,15 @@ class Attempt:
             return None
         return max(self.deadline - time.monotonic(), 0.0)
 
+    def timeout(self, cap_s: float) -> tuple[float, bool]:
+        """A call's timeout: the shorter of `cap_s` (the router's deadline) and the
+        client's time left; and whether the router's is the shorter (its expiry then
+        means the worker is hung, not that the client gave up)."""
+        left = self.time_left()
+        if left is None or cap_s < left:
+            return cap_s, True
+        return left, False
+
 
 @dataclass(frozen=True, slots=True)
 class Admission:
@@ -69,23 +151,36 @@ class Admission:
 
 
 class ChannelPool:
-    """One grpc.aio channel per worker address, reused by every request."""
+    """One grpc.aio channel per worker address, reused by every request; mTLS with `tls`.
 
-    def __init__(self, options=None):
+    Once the TLS files change, the next `get` of an address opens a channel with the new
+    ones; the old channel keeps the calls it carries (a Relay call lives long) and is
+    closed with the pool.
+    """
+
+    def __init__(self, options=None, tls: ChannelTls | None = None):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._options = options or []
+        self._tls = tls or ChannelTls()
+        self._generation = self._tls.generation
+        self._retired: list[grpc.aio.Channel] = []  # of older TLS files
 
     def get(self, address: str) -> grpc.aio.Channel:
+        if self._tls.generation != self._generation:
+            self._generation = self._tls.generation
+            self._retired.extend(self._channels.values())
+            self._channels.clear()
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
+            channel = self._tls.aio_channel(address, self._options)
             self._channels[address] = channel
         return channel
 
     async def close(self) -> None:
-        for channel in self._channels.values():
+        for channel in [*self._channels.values(), *self._retired]:
             await channel.close()
         self._channels.clear()
+        self._retired.clear()
 
 
 class HandOff:
@@ -102,8 +197,10 @@ class HandOff:
         lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
         stream_interval: int = 1,
         stream_progress_timeout_s: float | None = DEFAULT_STREAM_PROGRESS_TIMEOUT_S,
+        deadlines: Deadlines | None = None,
     ):
         self.channels = channels
+        self.deadlines = deadlines or Deadlines()
         self.lease_ttl_ms = round(lease_ttl_s * 1000)
         self.stream_interval = stream_interval  # tokens per decode message (decode.proto)
         self.relays = DecodeRelays(channels.get, progress_timeout_s=stream_progress_timeout_s)
@@ -120,9 +217,8 @@ class HandOff:
         )
         with tracing.span("admit", attempt.request_id, kind=SpanKind.CLIENT) as span:
             span.set_attribute("pdserve.worker", decode_address)
-            admit = stub.Admit(
-                request, timeout=attempt.time_left(), metadata=tracing.outgoing_metadata()
-            )
+            timeout, ours = attempt.timeout(self.deadlines.admit_s)
+            admit = stub.Admit(request, timeout=timeout, metadata=tracing.outgoing_metadata())
             admitting = asyncio.ensure_future(admit)
             try:
                 lease = await asyncio.shield(admitting)
@@ -130,6 +226,11 @@ class HandOff:
                 # We stop here, but the worker may admit all the same: give that lease back
                 # at once rather than leave its blocks reserved until it expires.
                 admitting.add_done_callback(lambda done: self._give_back(stub, done))
+                raise
+            except grpc.aio.AioRpcError as exc:
+                if ours and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    why = f"did not answer within {timeout:g} s (--admit-timeout)"
+                    raise WorkerTimeout(decode_address, "Admit", why) from exc
                 raise
             span.set_attribute("pdserve.lease.num_blocks", lease.num_blocks)
         return Admission(decode_address, lease)
@@ -150,20 +251,28 @@ class HandOff:
         """Compute the prompt on a prefill worker, which pushes its KV into the lease;
         returns with the first token, while the push goes on."""
         stub = prefill_pb2_grpc.PrefillStub(self.channels.get(prefill_address))
-        target = prefill_pb2.KVTarget(
-            address=admission.decode_address, lease_id=admission.lease.lease_id
-        )
+        # the decode worker's KVTransfer: its own port (--kv-port) when the lease names one
+        kv_address = admission.lease.kv_address or admission.decode_address
+        target = prefill_pb2.KVTarget(address=kv_address, lease_id=admission.lease.lease_id)
         request = prefill_pb2.PrefillRequest(
             request_id=attempt.request_id,
             prompt_token_ids=attempt.prompt,
             sampling=attempt.sampling,
             target=target,
+            priority=attempt.priority,
         )
         with tracing.span("prefill", attempt.request_id, kind=SpanKind.CLIENT) as span:
             span.set_attribute("pdserve.worker", prefill_address)
-            return await stub.Prefill(
-                request, timeout=attempt.time_left(), metadata=tracing.outgoing_metadata()
-            )
+            timeout, ours = attempt.timeout(self.deadlines.prefill_s)
+            try:
+                return await stub.Prefill(
+                    request, timeout=timeout, metadata=tracing.outgoing_metadata()
+                )
+            except grpc.aio.AioRpcError as exc:
+                if ours and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    why = f"did not answer within {timeout:g} s (--prefill-timeout)"
+                    raise WorkerTimeout(prefill_address, "Prefill", why) from exc
+                raise
 
     def colocated(self, address: str, attempt: Attempt) -> RelayStream:
         """Prefill and decode on one worker, no KV transfer: every token on the stream."""
@@ -171,6 +280,7 @@ class HandOff:
             request_id=attempt.request_id,
             prompt_token_ids=attempt.prompt,
             sampling=attempt.sampling,
+            priority=attempt.priority,
         )
         attach = decode_pb2.RelayAttach(
             stream_interval=self.stream_interval,

@@ -7,23 +7,47 @@ when a worker refuses. Retrying a whole attempt is the session's (`router.sessio
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 
 from pdserve.api.v1 import decode_pb2, prefill_pb2
 from pdserve.core.errors import KVCapacityError, PreconditionError, UnavailableError
 from pdserve.core.workers import WorkerInfo
+from pdserve.router.breaker import BreakerSettings
+from pdserve.router.disaggregation import Decision, LiveColocation
 from pdserve.router.discovery import Discovery
+from pdserve.router.discovery.guarded import GuardedDiscovery
 from pdserve.router.dispatches import RecentDispatches
-from pdserve.router.handoff import Admission, Attempt, ChannelPool, HandOff
-from pdserve.router.policy import ColocationRule, DecodePolicy, PrefillPolicy, cached_prefix_blocks
+from pdserve.router.handoff import (
+    Admission,
+    Attempt,
+    AttemptHistory,
+    ChannelPool,
+    Deadlines,
+    HandOff,
+    WorkerTimeout,
+    error_text,
+)
+from pdserve.router.policy import DecodePolicy, PrefillPolicy, cached_prefix_blocks
 from pdserve.rpc.wire import is_final
 from pdserve.rpc.wire.router import prefill_response_to_delta
 from pdserve.telemetry import metrics, tracing
 from pdserve.telemetry.metrics import COLOCATED_POLICY, RoutingOutcome
+from pdserve.telemetry.request import placement_event
+
+T = TypeVar("T")
+# How often a running Prefill call checks that discovery still lists its worker (its
+# heartbeat or poll): a worker frozen mid-call is left within about the registry's TTL.
+PREFILL_WATCH_INTERVAL_S = 0.5
+# A worker failing with these counts against its circuit breaker: unreachable, or hung
+# past one of the router's deadlines (`WorkerTimeout`). Other codes are the request's
+# (INVALID_ARGUMENT), the pool's (RESOURCE_EXHAUSTED), the lease's, or the client's own
+# deadline (DEADLINE_EXCEEDED), and say nothing against the worker.
+_WORKER_FAILURES = frozenset({grpc.StatusCode.UNAVAILABLE})
 
 
 class AttemptEvents(Protocol):
@@ -52,8 +76,10 @@ class RunnerConfig:
     lease_ttl_s: float
     max_attempts: int  # per request, the first included (the session retries)
     stream_interval: int  # tokens per decode message (see decode.proto StreamRequest)
-    colocation: ColocationRule
+    colocation: LiveColocation  # where each prompt is prefilled (router/disaggregation.py)
     stream_progress_timeout_s: float  # a decode worker silent this long counts as dead
+    deadlines: Deadlines  # the router's own deadlines on Admit and Prefill
+    breaker: BreakerSettings  # when a worker's circuit breaker opens, how it closes
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +129,10 @@ class RequestRunner:
         channels: ChannelPool,
         config: RunnerConfig,
     ):
-        self.discovery, self.config = discovery, config
+        # every worker the runner sees is filtered by its breaker (and so is ListWorkers,
+        # which reads this `discovery`)
+        self.discovery = GuardedDiscovery.over(discovery, config.breaker, channels.get)
+        self.config = config
         self.prefill_policy, self.decode_policy = prefill_policy, decode_policy
         self.dispatches = RecentDispatches()
         self.handoff = HandOff(
@@ -111,19 +140,46 @@ class RequestRunner:
             lease_ttl_s=config.lease_ttl_s,
             stream_interval=config.stream_interval,
             stream_progress_timeout_s=config.stream_progress_timeout_s,
+            deadlines=config.deadlines,
         )
 
     async def run(self, attempt: Attempt, events: AttemptEvents) -> None:
         """One attempt, to the request's final delta; raises what ended it otherwise
-        (`grpc.aio.AioRpcError` from a worker, or a domain error)."""
+        (`grpc.aio.AioRpcError` from a worker, or a domain error). Once the request has
+        seen more than one worker fail, the error names each (attempt, role, worker,
+        error): the status the client gets when the session gives up."""
+        history = attempt.history
+        history.num_attempts += 1
+        try:
+            await self._run(attempt, events)
+        except grpc.aio.AioRpcError as exc:
+            if len(history.failures) < 2:
+                raise
+            details = f"{exc.details()}; {self._gave_up(history)}"
+            raise grpc.aio.AioRpcError(
+                exc.code(), grpc.aio.Metadata(), grpc.aio.Metadata(), details
+            ) from exc
+        except (UnavailableError, KVCapacityError) as exc:
+            if not history.failures:
+                raise
+            raise type(exc)(f"{exc}; {self._gave_up(history)}") from exc
+
+    def _gave_up(self, history: AttemptHistory) -> str:
+        return (
+            f"{history.num_attempts} attempt(s) of at most {self.config.max_attempts} "
+            f"(--max-attempts): {history.summary()}"
+        )
+
+    async def _run(self, attempt: Attempt, events: AttemptEvents) -> None:
         decode_workers = self.discovery.workers("decode")
         if not decode_workers:
             raise UnavailableError("no healthy decode worker")
         pool = Pool(decode_workers, self.discovery.workers("prefill"))
         attempt = attempt.for_block_size(pool.block_size)
-        decodes, colocate = self._route_decode(pool, attempt)
-        if colocate:
-            await self._colocated(decodes[0], attempt, events)
+        decodes, placement = self._route_decode(pool, attempt)
+        placement_event(placement.attributes())
+        if placement.colocated:
+            await self._colocated(decodes[0], attempt, events, placement.reason)
             return
         admission = await self._admit(decodes, attempt, events)
         stream = self.handoff.attach(admission, attempt)
@@ -131,38 +187,63 @@ class RequestRunner:
             response = await self._prefill(pool.prefill, admission, attempt, events)
             cached_tokens = response.usage.cached_prompt_tokens
             hit = RoutingOutcome.CACHE_HIT if cached_tokens else RoutingOutcome.CACHE_MISS
-            metrics.routing_decision(self.prefill_policy.name, hit)
+            metrics.routing_decision(self.prefill_policy.name, hit, placement.reason)
             head = prefill_response_to_delta(response)
             events.on_first_token(head, cached_tokens)
             if not is_final(head):
-                await stream.deliver(events.deliver_decoded)
+                await self._call(
+                    "decode",
+                    admission.decode_address,
+                    attempt,
+                    stream.deliver(events.deliver_decoded),
+                )
         finally:
             stream.cancel()  # no-op when it ended; frees the decode side when we stop early
 
-    def _route_decode(self, pool: Pool, attempt: Attempt) -> tuple[list[WorkerInfo], bool]:
-        """The decode workers in the order to try them, and whether to colocate on the first."""
+    async def _call(self, role: str, address: str, attempt: Attempt, call: Awaitable[T]) -> T:
+        """Await a call to a worker: its failure goes into the request's history and, if
+        the worker's fault (unreachable, or hung past a deadline), against its breaker."""
+        try:
+            result = await call
+        except grpc.aio.AioRpcError as exc:
+            attempt.history.failed(role, address, exc)
+            if exc.code() in _WORKER_FAILURES:
+                self.discovery.record_failure(address, error_text(exc))
+            raise
+        self.discovery.record_success(address)
+        return result
+
+    def _route_decode(self, pool: Pool, attempt: Attempt) -> tuple[list[WorkerInfo], Decision]:
+        """The decode workers in the order to try them, and where to prefill (colocated:
+        on the first)."""
         with tracing.span("route decode", attempt.request_id) as span:
             decodes = self.decode_policy.rank(
                 self.dispatches.adjust(pool.decode), attempt.num_blocks_needed
             )
-            cached = cached_prefix_blocks(decodes[0], attempt.block_hashes) * attempt.block_size
-            colocate = self.config.colocation.should_colocate(len(attempt.prompt), cached)
+            prefills = self.dispatches.adjust(pool.prefill)
+            placement = self.config.colocation.decide(
+                decodes[0], prefills, attempt.block_hashes, len(attempt.prompt)
+            )
             if span.is_recording():
+                cached = placement.snapshot.decode.cached_tokens
                 span.set_attributes(route_attributes(self.decode_policy.name, decodes, cached))
-                span.set_attribute("pdserve.route.colocated", colocate)
-        return decodes, colocate
+                span.set_attribute("pdserve.route.colocated", placement.colocated)
+                span.set_attributes(placement.attributes())
+        return decodes, placement
 
     async def _admit(
         self, decodes: list[WorkerInfo], attempt: Attempt, events: AttemptEvents
     ) -> Admission:
-        """Admit on the first decode worker with room; RESOURCE_EXHAUSTED moves on."""
+        """Admit on the first decode worker with room; RESOURCE_EXHAUSTED moves on, and so
+        does UNAVAILABLE (a dead worker, or one past --admit-timeout: a hung one)."""
         num_exhausted = 0
         for worker in decodes:
             # Recorded before the call: requests that arrive while it is in flight must
             # already see this one (a refused one makes a full worker look fuller: harmless).
             self.dispatches.record(worker.address, attempt.num_blocks_needed)
+            admit = self.handoff.admit(worker.address, attempt)
             try:
-                admission = await self.handoff.admit(worker.address, attempt)
+                admission = await self._call("decode", worker.address, attempt, admit)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     events.on_failover(worker.address, exc)
@@ -186,7 +267,9 @@ class RequestRunner:
         attempt: Attempt,
         events: AttemptEvents,
     ) -> prefill_pb2.PrefillResponse:
-        """Prefill on the best prefill worker; UNAVAILABLE moves on (the lease stays open)."""
+        """Prefill on the best prefill worker; UNAVAILABLE moves on (the lease stays open).
+        A worker that hung (past --prefill-timeout, or its heartbeat stopped) ends the
+        attempt instead: it may resume and push into the lease, so the retry takes a new one."""
         with tracing.span("route prefill", attempt.request_id) as span:
             prefills = self.prefill_policy.rank(
                 self.dispatches.adjust(prefill_workers), attempt.block_hashes
@@ -202,26 +285,52 @@ class RequestRunner:
             events.on_prefill_worker(worker.address)
             # what the worker will hold in its prefix cache, before its next report says so
             self.dispatches.record(worker.address, block_hashes=attempt.block_hashes)
+            prefill = self._watched_prefill(worker.address, admission, attempt)
             try:
-                return await self.handoff.prefill(worker.address, admission, attempt)
+                return await self._call("prefill", worker.address, attempt, prefill)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise
                 events.on_failover(worker.address, exc)
                 self.discovery.mark_unhealthy(worker.address)
+                if isinstance(exc, WorkerTimeout):
+                    raise
                 last_error = exc  # the lease is still open: the next worker pushes into it
         raise last_error
 
-    async def _colocated(self, worker: WorkerInfo, attempt: Attempt, events: AttemptEvents) -> None:
+    async def _watched_prefill(
+        self, address: str, admission: Admission, attempt: Attempt
+    ) -> prefill_pb2.PrefillResponse:
+        """Prefill, given up (WorkerTimeout) once discovery stops listing the worker: its
+        heartbeat stopped, or its breaker opened. A long queue there is no reason, so the
+        call itself only has the generous --prefill-timeout."""
+        call = asyncio.ensure_future(self.handoff.prefill(address, admission, attempt))
+        try:
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=PREFILL_WATCH_INTERVAL_S)
+                if done:
+                    return call.result()
+                if not self._listed(address, "prefill"):
+                    raise WorkerTimeout(address, "Prefill", "stopped heartbeating (or failed)")
+        finally:
+            call.cancel()  # no-op once done
+
+    def _listed(self, address: str, role: str) -> bool:
+        return any(worker.address == address for worker in self.discovery.workers(role))
+
+    async def _colocated(
+        self, worker: WorkerInfo, attempt: Attempt, events: AttemptEvents, reason: str
+    ) -> None:
         self.dispatches.record(
             worker.address, attempt.num_blocks_needed, block_hashes=attempt.block_hashes
         )
         events.on_admitted(worker.address)
         events.on_prefill_worker(worker.address)
-        metrics.routing_decision(COLOCATED_POLICY, RoutingOutcome.COLOCATED)
+        metrics.routing_decision(COLOCATED_POLICY, RoutingOutcome.COLOCATED, reason)
         stream = self.handoff.colocated(worker.address, attempt)
         try:
-            await stream.deliver(events.deliver_decoded)
+            deliver = stream.deliver(events.deliver_decoded)
+            await self._call("decode", worker.address, attempt, deliver)
         finally:
             stream.cancel()
 

@@ -1,7 +1,9 @@
 """The public Router service: thin gRPC handlers over the frontend, the store and discovery.
 
 Generate is proto in -> `Frontend.generate` (a `RequestSession`) -> proto out; the other
-front doors (OpenAI HTTP, KServe) drive the same frontend.
+front doors (OpenAI HTTP, KServe) drive the same frontend. Generate, Cancel and GetRequest
+act for the call's caller (the API key the interceptor authenticated, `current_caller()`):
+a request id names one of that key's requests.
 """
 
 from __future__ import annotations
@@ -9,9 +11,9 @@ from __future__ import annotations
 import logging
 
 from pdserve.api.v1 import router_pb2, router_pb2_grpc
-from pdserve.core.errors import UnknownRequestError
 from pdserve.core.sampling_params import check_prompt_token_ids
 from pdserve.core.workers import WorkerInfo
+from pdserve.router.auth.caller import current_caller
 from pdserve.router.discovery import Discovery
 from pdserve.router.frontend import Frontend
 from pdserve.rpc.errors import rpc_errors
@@ -27,19 +29,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     @rpc_errors
     async def Generate(self, request, context):
-        async for message in self.frontend.generate(request, timeout_s=context.time_remaining()):
+        timeout_s, caller = context.time_remaining(), current_caller()
+        async for message in self.frontend.generate(request, timeout_s=timeout_s, caller=caller):
             yield message
 
     @rpc_errors
     async def Cancel(self, request, context):
-        cancelled = await self.frontend.cancel(request.request_id)
+        cancelled = await self.frontend.cancel(request.request_id, caller=current_caller())
         return router_pb2.CancelResponse(cancelled=cancelled)
 
     @rpc_errors
     async def GetRequest(self, request, context):
-        record = await self.frontend.store.get(request.request_id)
-        if record is None:
-            raise UnknownRequestError(request.request_id)
+        record = await self.frontend.get(request.request_id, caller=current_caller())
         return request_info_to_proto(record)
 
     @rpc_errors
@@ -54,7 +55,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     @rpc_errors
     async def Tokenize(self, request, context):
-        return router_pb2.TokenizeResponse(token_ids=self.frontend.tokenizer.encode(request.text))
+        ids = await self.frontend.tokenize(request.text, field="text")  # limited, off the loop
+        return router_pb2.TokenizeResponse(token_ids=ids)
 
     @rpc_errors
     async def Detokenize(self, request, context):

@@ -13,6 +13,7 @@ client sees one uninterrupted stream.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -20,14 +21,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf import json_format
+from google.rpc import code_pb2
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_random_exponential
 
 from pdserve.api.v1 import common_pb2, decode_pb2, router_pb2
 from pdserve.core.phase import RequestPhase
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.router.delivery import DeliveredTokens, DeltaInbox, split_delta
 from pdserve.router.handoff import Attempt
 from pdserve.router.runner import RequestRunner
-from pdserve.rpc.wire import FINISH_REASON_NAMES, drop_first_tokens, is_final
+from pdserve.rpc.errors import status_code
+from pdserve.rpc.wire import FINISH_REASON_NAMES, is_final
 from pdserve.rpc.wire.router import append_response, generate_response, timings_to_proto
 from pdserve.state.record import RequestRecord
 from pdserve.state.requests import RequestStore
@@ -35,6 +40,7 @@ from pdserve.telemetry import metrics
 from pdserve.telemetry.request import RequestTelemetry, failure_text
 
 log = logging.getLogger(__name__)
+
 
 # A failed attempt with these codes is retried from the start on other workers.
 RETRYABLE_CODES = frozenset(
@@ -73,6 +79,23 @@ def retry_safe(sampling: common_pb2.SamplingParams, params: SamplingParams):
     return seeded
 
 
+def sampling_to_record(sampling: common_pb2.SamplingParams) -> str:
+    """The sampling a request runs with (seeded by `retry_safe`) as its record keeps it:
+    a router taking the request over runs it with the same seed, so the same tokens."""
+    return json_format.MessageToJson(sampling, indent=None, preserving_proto_field_name=True)
+
+
+def sampling_from_record(record: RequestRecord, asked: common_pb2.SamplingParams):
+    """What `sampling_to_record` kept; `asked` (the client's) for a record without it."""
+    if not record.params_json:
+        return asked
+    return json_format.Parse(record.params_json, common_pb2.SamplingParams())
+
+
+# What a record taken over forgets of the run that ended (a failed one's end).
+_NOT_ENDED = dict(finish_reason="", error="", error_code="", finished_at=0.0)
+
+
 @dataclass(slots=True)
 class Progress:
     """Where the request stands. Times are time.monotonic() seconds; 0.0: not yet."""
@@ -86,79 +109,6 @@ class Progress:
     admitted_at: float = 0.0  # a decode worker reserved its blocks
     first_token_at: float = 0.0
     first_decode_at: float = 0.0  # the decode stream's first delta
-
-
-class DeliveredTokens:
-    """The tokens a caller has, so that a retry's regenerated stream adds only new ones."""
-
-    __slots__ = ("num_tokens", "_num_seen")
-
-    def __init__(self) -> None:
-        self.num_tokens = 0  # delivered, in all attempts
-        self._num_seen = 0  # tokens of the current attempt so far
-
-    def new_attempt(self) -> None:
-        self._num_seen = 0
-
-    def keep_new(self, delta: decode_pb2.TokenDelta) -> bool:
-        """Strip the tokens (and their text) the caller has; False: nothing left to send."""
-        num_tokens = len(delta.token_ids)
-        num_old = min(max(self.num_tokens - self._num_seen, 0), num_tokens)
-        self._num_seen += num_tokens
-        if num_old:
-            drop_first_tokens(delta, num_old)
-            if not (delta.token_ids or delta.text) and not is_final(delta):
-                return False
-        self.num_tokens = max(self.num_tokens, self._num_seen)
-        return True
-
-
-class DeltaInbox:
-    """Deltas on their way to the client, and the error that ended the request.
-
-    The relay's reader puts (no task switch per delta); the handler takes everything
-    that waits at once. A client that keeps up gets each delta as it comes; one that
-    falls behind (it pays per message) gets all that waited in one message.
-    """
-
-    __slots__ = ("_deltas", "_error", "_waiter")
-
-    def __init__(self) -> None:
-        self._deltas: list[decode_pb2.TokenDelta] = []
-        self._error: BaseException | None = None
-        self._waiter: asyncio.Future | None = None
-
-    def put(self, delta: decode_pb2.TokenDelta) -> None:
-        self._deltas.append(delta)
-        self._wake()
-
-    def fail(self, error: BaseException) -> None:
-        """The request ended in `error`: `take` returns it after the deltas before it."""
-        self._error = error
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def take(self) -> tuple[list[decode_pb2.TokenDelta], BaseException | None]:
-        """Wait for a delta or the error; then every delta waiting, up to a final one,
-        and the error behind them (to raise once they went out), if any.
-
-        Nothing follows a final delta: what does (a cancel racing the end) is dropped.
-        """
-        while not self._deltas and self._error is None:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        deltas, self._deltas = self._deltas, []
-        for i, delta in enumerate(deltas):
-            if is_final(delta):
-                return deltas[: i + 1], None
-        error, self._error = self._error, None
-        return deltas, error
 
 
 class RequestSession:
@@ -188,6 +138,9 @@ class RequestSession:
         self._delivered = DeliveredTokens()
         self._inbox = DeltaInbox()
         self._num_sent = 0  # output tokens in the messages built so far
+        # a request taken over from a lost router: its client has the tokens before this
+        # (built into messages for the checkpoints, not sent again)
+        self._client_from = 0
         self._task: asyncio.Task | None = None  # runs the attempts
         self._finishing: asyncio.Future | None = None  # the record's last write
 
@@ -209,6 +162,7 @@ class RequestSession:
             router_id=self.router_id,
             trace_id=self.telemetry.trace_id,
             request_digest=self.request_digest,
+            params_json=sampling_to_record(self.attempt.sampling),
         )
         try:
             created = await self.store.create(record)
@@ -223,6 +177,35 @@ class RequestSession:
         if self._task is None:
             self._start()
         return True
+
+    async def take_over(self, lost: RequestRecord, client_from: int) -> int | None:
+        """Run here a request whose router died, or that failed asking its client to try
+        again (`lost`: its record as last written), for a client that has its first
+        `client_from` tokens. Returns the tokens its checkpoints hold (the stream goes on
+        from there; the client may need those from `client_from` to it first), or None
+        if another router took it over first.
+
+        The attempt regenerates the request from its start (the same seed: the same
+        tokens) and skips what the checkpoints and the client already have.
+        """
+        record = dataclasses.replace(
+            lost,
+            router_id=self.router_id,
+            status=RequestPhase.QUEUED,
+            **_NOT_ENDED,
+        )
+        stored = await self.store.adopt(record, lost.updated_at)
+        if stored is None:
+            self.telemetry.abandon()
+            return None
+        self._delivered = DeliveredTokens(stored)
+        self._num_sent, self._client_from = stored, client_from
+        # The workers may still hold the lost router's run of it (aborted once they see
+        # its calls end): this run goes by a name of its own there.
+        worker_id = f"{self.request_id}@{self.router_id}"
+        self.attempt = dataclasses.replace(self.attempt, request_id=worker_id)
+        self._start()
+        return stored
 
     def cancel(self) -> None:
         """Stop the request; it ends as aborted (a final ABORT message to the client)."""
@@ -247,12 +230,20 @@ class RequestSession:
                 with attempt:
                     self.progress.num_attempts += 1
                     self._delivered.new_attempt()
-                    await self.runner.run(self.attempt, self)
+                    await self.runner.run(self._attempt(self.progress.num_attempts), self)
         except asyncio.CancelledError:  # Cancel, or the client left: it ends as aborted
             self._inbox.put(decode_pb2.TokenDelta(finish_reason=common_pb2.FINISH_REASON_ABORT))
             raise
         except BaseException as exc:
             self._inbox.fail(exc)
+
+    def _attempt(self, number: int) -> Attempt:
+        """Attempt `number` (from 1): a retry goes by a name of its own on the workers,
+        which may still hold the failed one (a worker that thawed after its streams moved
+        on aborts it only once it sees their call ended)."""
+        if number == 1:
+            return self.attempt
+        return dataclasses.replace(self.attempt, request_id=f"{self.attempt.request_id}#{number}")
 
     def _before_retry(self, state) -> None:
         _log_retry(state)
@@ -268,6 +259,10 @@ class RequestSession:
             finished = False
             while not finished:
                 deltas, error = await self._inbox.take()
+                if deltas and self._num_sent < self._client_from:
+                    hidden, deltas = self._split_client_has(deltas)
+                    if hidden:
+                        self._message(hidden)  # checkpointed; the client has them
                 if deltas:
                     message = self._message(deltas)
                     finished = is_final(message)
@@ -288,6 +283,22 @@ class RequestSession:
             raise
         finally:
             self.cancel()
+
+    def _split_client_has(self, deltas: list[decode_pb2.TokenDelta]):
+        """(the deltas' tokens before `_client_from`, the rest), split exactly at it."""
+        num_hidden = self._client_from - self._num_sent
+        hidden: list[decode_pb2.TokenDelta] = []
+        for i, delta in enumerate(deltas):
+            num_tokens = len(delta.token_ids)
+            if num_hidden <= 0:
+                return hidden, deltas[i:]
+            if num_tokens <= num_hidden and not is_final(delta):
+                hidden.append(delta)
+                num_hidden -= num_tokens
+                continue
+            head, tail = split_delta(delta, min(num_tokens, num_hidden))
+            return [*hidden, head] if head.token_ids else hidden, [tail, *deltas[i + 1 :]]
+        return hidden, []
 
     def _message(self, deltas: list[decode_pb2.TokenDelta]) -> router_pb2.GenerateResponse:
         message = generate_response(self.request_id, self._num_sent, deltas)
@@ -318,6 +329,7 @@ class RequestSession:
             self.progress.phase = phase
             if failure is not None:
                 fields["error"] = failure_text(failure)
+                fields["error_code"] = code_pb2.Code.Name(status_code(failure))
             finish = self.store.finish(self.request_id, phase, finish_reason, **fields)
             self._finishing = asyncio.ensure_future(finish)
             self.telemetry.finish(

@@ -2,21 +2,25 @@
 
 gRPC's generated registration parses requests before the handler runs; a message
 with invalid UTF-8 in a string field then fails inside gRPC and the client sees an
-opaque error. Here parsing failures of a unary request become an `UndecodableRequest`
-that the `rpc_errors` wrapper turns into INVALID_ARGUMENT naming the offending field.
+opaque error. Here parsing failures become an `UndecodableRequest`: for a unary request
+the `rpc_errors` wrapper turns it into INVALID_ARGUMENT naming the offending field; a
+streamed one raises that error from the handler's request iterator (`checked_requests`).
 A method may bring its own parser instead (KVTransfer.PushKV reads its payloads without
-copying them: `kv.transfer.ZERO_COPY_PARSERS`).
+copying them: `kv.transfer.ZERO_COPY_PARSERS`); its handler then gets each
+`UndecodableRequest` as an item, and decides when to fail (PushKV reads to the end first).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
+
+from pdserve.core.errors import InvalidRequestError
 
 _HANDLERS = {
     (False, False): grpc.unary_unary_rpc_method_handler,
@@ -58,8 +62,8 @@ def add_servicer(
     """Like the generated add_*Servicer_to_server, with lenient parsing of unary requests.
 
     `parsers` maps a method's name to the function that parses its requests instead.
-    Streamed requests are parsed strictly (as the generated code does): they reach the
-    handler through its iterator, where `rpc_errors` cannot look at them.
+    Streamed requests reach the handler through its iterator, which raises at one that
+    did not parse (unless the method has its own parser: see the module's docstring).
     """
     parsers = parsers or {}
     unknown = set(parsers) - {method.name for method in service.methods}
@@ -70,12 +74,12 @@ def add_servicer(
         request_cls = GetMessageClass(method.input_type)
         response_cls = GetMessageClass(method.output_type)
         make = _HANDLERS[(method.client_streaming, method.server_streaming)]
-        parse = parsers.get(method.name)
-        if parse is None:
-            parse = request_cls.FromString if method.client_streaming else _lenient(request_cls)
+        handler, parse = getattr(servicer, method.name), parsers.get(method.name)
+        if method.client_streaming and parse is None:
+            handler = _checked_stream(handler, method.server_streaming)
         handlers[method.name] = make(
-            getattr(servicer, method.name),
-            request_deserializer=parse,
+            handler,
+            request_deserializer=_lenient(request_cls, parse or request_cls.FromString),
             response_serializer=response_cls.SerializeToString,
         )
     server.add_generic_rpc_handlers(
@@ -84,10 +88,38 @@ def add_servicer(
     server.add_registered_method_handlers(service.full_name, handlers)
 
 
-def _lenient(message_cls):
+def _checked_stream(handler, server_streaming: bool):
+    """`handler` reading its requests through `checked_requests`."""
+    if server_streaming:
+
+        async def stream_stream(requests, context):
+            async for response in handler(checked_requests(requests), context):
+                yield response
+
+        return stream_stream
+
+    async def stream_unary(requests, context):
+        return await handler(checked_requests(requests), context)
+
+    return stream_unary
+
+
+async def checked_requests(requests: AsyncIterator) -> AsyncIterator:
+    """A call's streamed requests, raising InvalidRequestError (naming the field) at the
+    first one that did not parse: the handler's error mapping makes it INVALID_ARGUMENT."""
+    async for request in requests:
+        if isinstance(request, UndecodableRequest):
+            raise InvalidRequestError(request.field, request.message)
+        yield request
+
+
+def _lenient(message_cls, parse_bytes: Parser):
+    """`parse_bytes`, giving an `UndecodableRequest` for bytes that are no `message_cls`
+    (a parser that raised fails inside gRPC, and the caller gets an opaque INTERNAL)."""
+
     def parse(data: bytes):
         try:
-            return message_cls.FromString(data)
+            return parse_bytes(data)
         except DecodeError:
             where = bad_utf8_field(message_cls.DESCRIPTOR, data)
             if where is not None:

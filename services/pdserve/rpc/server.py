@@ -12,6 +12,13 @@ A port is this server's alone: gRPC sets SO_REUSEPORT by default, which lets a s
 server bind a port already served and silently take part of its connections, so every
 server turns it off and a clash is a `ListenError` (`run` makes it one log line and exit
 status 1, not a traceback).
+
+With TLS (`ServerOptions.credentials`, from `rpc.tls.server_credentials`) every port is a
+secure one. A process may also serve on side ports (`SidePort`), each a grpc.aio server
+of its own: some of its services moved there (a decode worker's KVTransfer on
+`--kv-port`, so a NetworkPolicy can tell the KV plane apart), or `grpc.health.v1` alone
+in plaintext (`--health-port`: Kubernetes' gRPC probes present no certificate), where
+every other service is UNIMPLEMENTED. Each port's health says what the main port's does.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
 from pdserve.rpc.registration import Service, add_servicer
+from pdserve.rpc.tls import TlsFileError
 from pdserve.telemetry import logs
 from pdserve.telemetry.logs import LogConfig
 
@@ -76,16 +84,41 @@ class ServerOptions:
     grpc_options: Sequence[tuple[str, int]] = ()  # beside KEEPALIVE_OPTIONS: message sizes
     # The router's API is public and describes itself; workers turn it off (--reflection).
     reflection: bool = True
+    # TLS on every port but plaintext ones: made once per port (gRPC's dynamic
+    # credentials serve one port each); None: plaintext
+    credentials: Callable[[], grpc.ServerCredentials] | None = None
+    side_ports: Sequence[SidePort] = ()
+
+
+@dataclass(slots=True)
+class SidePort:
+    """A port served by a grpc.aio server of its own: the app's services named in
+    `services` (their full names), or health alone (`plaintext`: no TLS, no interceptors).
+    `bound_port` is set once it listens (the one chosen, for port 0)."""
+
+    name: str  # its field in the ready line: "kv", "health"
+    port: int
+    services: frozenset[str] = frozenset()
+    plaintext: bool = False
+    bound_port: int | None = None
+
+    @classmethod
+    def health_only(cls, port: int) -> SidePort:
+        return cls("health", port, plaintext=True)
 
 
 class ListenError(OSError):
     """The server cannot listen on its address: the port is taken (by another server,
     perhaps another pdserve), or the address is not this machine's."""
 
-    def __init__(self, address: str):
-        super().__init__(
-            f"cannot listen on {address}: the port is in use (or the address is not this machine's)"
-        )
+    def __init__(self, address: str, *, tls: bool = False):
+        reason = "the port is in use (or the address is not this machine's)"
+        if tls:
+            reason = (
+                "the port is in use, the address is not this machine's, "
+                "or gRPC refused the TLS files"
+            )
+        super().__init__(f"cannot listen on {address}: {reason}")
         self.address = address
 
 
@@ -116,39 +149,76 @@ async def serve(
 ) -> None:
     """Serve `app` until `stop` is set or SIGTERM/SIGINT arrives, then drain and return."""
     stop = stop or asyncio.Event()
-    server = grpc.aio.server(
-        options=[*options.grpc_options, *KEEPALIVE_OPTIONS, *LISTEN_OPTIONS],
-        interceptors=list(interceptors),
-    )
-    for service in app.services:
-        add_servicer(service.servicer, service.descriptor, server, parsers=service.parsers)
-    names = [service.name for service in app.services]
-    status = _Health(server, names)
-    if options.reflection:
-        descriptors = [service.descriptor for service in app.services]
-        reflection.enable_server_reflection(
-            [*names, health.SERVICE_NAME, reflection.SERVICE_NAME],
-            server,
-            pool=reflection_pool(descriptors),
-        )
-    await status.set(_NOT_SERVING)
-    port = _listen(server, f"{options.host}:{options.port}")
-    await server.start()
+    servers = _Servers(app, options, interceptors)
+    await servers.health.set(_NOT_SERVING)
+    port = servers.listen()
+    await servers.start()
     stop_on_signals(stop)
     try:
         fields = await app.start(port)
     except BaseException:
-        await server.stop(grace=None)
+        await servers.stop(grace=None)
         raise
-    await status.set(_SERVING)
-    announce_ready(role=options.role, address=f"{options.host}:{port}", **fields)
+    await servers.health.set(_SERVING)
+    sides = {side.name: f"{options.host}:{side.bound_port}" for side in options.side_ports}
+    announce_ready(role=options.role, address=f"{options.host}:{port}", **sides, **fields)
     await stop.wait()
 
     log.info("draining: no new requests; finishing the running ones")
     await app.drain()
-    await status.set(_NOT_SERVING)
-    await server.stop(grace=options.grace_s)
+    await servers.health.set(_NOT_SERVING)
+    await servers.stop(grace=options.grace_s)
     await app.close()
+
+
+class _Servers:
+    """The main grpc.aio server and one per side port, started and stopped together."""
+
+    def __init__(self, app: ServerApp, options: ServerOptions, interceptors: Sequence):
+        self.options = options
+        grpc_options = [*options.grpc_options, *KEEPALIVE_OPTIONS, *LISTEN_OPTIONS]
+        self.main = grpc.aio.server(options=grpc_options, interceptors=list(interceptors))
+        self.sides = [
+            grpc.aio.server(
+                options=grpc_options, interceptors=[] if side.plaintext else list(interceptors)
+            )
+            for side in options.side_ports
+        ]
+        moved = {name: server for side, server in self._side_servers() for name in side.services}
+        every_name = [service.name for service in app.services]
+        for service in app.services:
+            server = moved.get(service.name, self.main)
+            add_servicer(service.servicer, service.descriptor, server, parsers=service.parsers)
+        self.health = _Health()
+        main_names = [name for name in every_name if name not in moved]
+        self.health.add(self.main, main_names)
+        for side, server in self._side_servers():
+            self.health.add(server, every_name if side.plaintext else sorted(side.services))
+        if options.reflection:
+            descriptors = [s.descriptor for s in app.services if s.name not in moved]
+            reflection.enable_server_reflection(
+                [*main_names, health.SERVICE_NAME, reflection.SERVICE_NAME],
+                self.main,
+                pool=reflection_pool(descriptors),
+            )
+
+    def _side_servers(self):
+        return zip(self.options.side_ports, self.sides, strict=True)
+
+    def listen(self) -> int:
+        """Bind every port; the main one's (ListenError if one is taken)."""
+        host, credentials = self.options.host, self.options.credentials
+        for side, server in self._side_servers():
+            side_credentials = None if side.plaintext else credentials
+            side.bound_port = _listen(server, f"{host}:{side.port}", side_credentials)
+        return _listen(self.main, f"{host}:{self.options.port}", credentials)
+
+    async def start(self) -> None:
+        for server in (self.main, *self.sides):
+            await server.start()
+
+    async def stop(self, grace: float | None) -> None:
+        await asyncio.gather(*(server.stop(grace=grace) for server in (self.main, *self.sides)))
 
 
 def reflection_pool(services: Sequence[ServiceDescriptor]) -> descriptor_pool.DescriptorPool:
@@ -173,37 +243,50 @@ def reflection_pool(services: Sequence[ServiceDescriptor]) -> descriptor_pool.De
     return pool
 
 
-def _listen(server: grpc.aio.Server, address: str) -> int:
-    """Bind `address`; its port (the one chosen, for port 0). ListenError if it is taken."""
+def _listen(
+    server: grpc.aio.Server,
+    address: str,
+    credentials: Callable[[], grpc.ServerCredentials] | None = None,
+) -> int:
+    """Bind `address` (with TLS when `credentials`); its port (the one chosen, for port 0).
+    ListenError if it is taken."""
     try:
-        return server.add_insecure_port(address)
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials())
     except RuntimeError as exc:  # gRPC says only "Failed to bind to address ..."
-        raise ListenError(address) from exc
+        raise ListenError(address, tls=credentials is not None) from exc
 
 
 class _Health:
-    """The standard health service for `names`, answering for all at once."""
+    """The standard health service on each server, for the names each serves, all
+    answering at once."""
 
-    def __init__(self, server: grpc.aio.Server, names: Sequence[str]):
-        self.servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
-        self.names = ["", *names]  # "": the whole server
+    def __init__(self) -> None:
+        self._servers: list[tuple[health.aio.HealthServicer, list[str]]] = []
+
+    def add(self, server: grpc.aio.Server, names: Sequence[str]) -> None:
+        servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        self._servers.append((servicer, ["", *names]))  # "": the whole server
 
     async def set(self, status: int) -> None:
-        for name in self.names:
-            await self.servicer.set(name, status)
+        for servicer, names in self._servers:
+            for name in names:
+                await servicer.set(name, status)
 
 
 def run(main: Coroutine, *, role: str, process_id: str, log_config: LogConfig) -> int:
     """A server process's main: log lines as `log_config` says, each naming this process
     (its `role` and id), then run the coroutine `main`; its exit status.
 
-    A server that cannot listen says so in one log line and exits with EXIT_FAILURE.
+    A server that cannot listen, or whose TLS files cannot be used, says so in one log
+    line (naming the flag) and exits with EXIT_FAILURE.
     """
     logs.configure(log_config, role=role, process_id=process_id)
     try:
         asyncio.run(main)
-    except ListenError as exc:
+    except (ListenError, TlsFileError) as exc:
         log.error("%s", exc)
         return EXIT_FAILURE
     return 0

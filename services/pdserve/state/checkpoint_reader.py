@@ -6,6 +6,7 @@ docstring of `pdserve.state.requests`; `RequestStore`'s reader-side methods call
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
@@ -16,6 +17,18 @@ from pdserve.state.record import RequestRecord
 
 # follow() blocks in XREAD this long per call, then checks that the request still exists
 FOLLOW_BLOCK_S = 0.25
+# A running request whose record has not been written for this long has lost its router
+# (the writer refreshes it every OWNER_REFRESH_S, 1 s, while it runs): three refreshes.
+OWNER_LOST_S = 3.0
+
+
+class OwnerLostError(Exception):
+    """A followed request is still running, but its router stopped writing its record
+    (dead): another router may take it over (`RequestStore`'s writer side, `adopt`)."""
+
+    def __init__(self, record: RequestRecord):
+        super().__init__(f"request {record.request_id}: router {record.router_id} is gone")
+        self.record = record
 
 
 def _check_offset(offset: int) -> None:
@@ -87,10 +100,13 @@ class CheckpointReader:
         return [(id_, Entry.parse(fields)) for id_, fields in stream_entries(reply)]
 
     async def _check_alive(self, request_id: str) -> None:
-        """Between tokens: the request may have expired, or its stream been lost."""
+        """Between tokens: the request may have expired, its stream been lost, or its
+        router died (OwnerLostError)."""
         record = await self.get(request_id)
         if record is None:
             raise UnknownRequestError(request_id)
+        if not record.is_terminal and time.time() - record.updated_at > OWNER_LOST_S:
+            raise OwnerLostError(record)
         if record.is_terminal:
             # The end entry lands in the transaction that made the record terminal, so a
             # read after this one must see it.

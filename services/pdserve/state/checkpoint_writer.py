@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, WatchError
 
 from pdserve.core.phase import RequestPhase
-from pdserve.state.checkpoints import Keys, delta_fields, end_fields, redis_errors
+from pdserve.state.checkpoints import Keys, delta_fields, end_fields, redis_errors, resume_point
 from pdserve.state.record import RequestRecord
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,10 @@ RETRY_INTERVAL_S = 0.25
 FLUSH_WAIT_S = 2.0
 # close() keeps trying to write what is buffered for at most this long
 CLOSE_FLUSH_TIMEOUT_S = 2.0
+# A running request's record is written at least this often, even with nothing new (a
+# long prefill queue): its `updated_at` says its router is alive. Readers take a record
+# that has not moved for OWNER_LOST_S (checkpoint_reader) as its router's death.
+OWNER_REFRESH_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +149,43 @@ class CheckpointWriter:
         if created:
             self._buffers[record.request_id] = _Buffer(dataclasses.replace(record))
         return bool(created)
+
+    async def adopt(self, record: RequestRecord, seen_updated_at: float) -> int | None:
+        """Run here a request that stopped running where it was: its router stopped
+        writing it (dead), or it failed with a status asking to try again
+        (`RequestRecord.may_run_again`). `record` (naming this router) replaces the one
+        Redis holds if that one is still as the caller saw it (`updated_at` ==
+        `seen_updated_at`). The token stream goes on from its checkpoints, a failed
+        one's end entry removed. Returns how many tokens they hold; None if another
+        router wrote the request since (it runs it: follow it instead).
+        """
+        key, tokens_key = self._keys.record(record.request_id), self._keys.tokens(record.request_id)
+        with redis_errors():
+            async with self._redis.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(key, tokens_key)
+                    data = await pipe.get(key)
+                    current = None if data is None else RequestRecord.from_json(data)
+                    if current is None or current.updated_at != seen_updated_at:
+                        return None
+                    if current.is_terminal and not current.may_run_again:
+                        return None
+                    if current.is_terminal:  # the whole stream: its end entry (or two) go
+                        entries = await pipe.xrange(tokens_key)
+                    else:
+                        entries = await pipe.xrevrange(tokens_key, count=1)
+                    seq, offset, ends = resume_point(entries)
+                    record.completion_tokens, record.updated_at = offset, time.time()
+                    pipe.multi()
+                    if ends:
+                        pipe.xdel(tokens_key, *ends)
+                    pipe.set(key, record.to_json(), px=self.config.ttl_ms)
+                    await pipe.execute()
+                except WatchError:
+                    return None
+        buffer = _Buffer(dataclasses.replace(record), seq=seq, offset=offset)
+        self._buffers[record.request_id] = buffer
+        return offset
 
     async def update(self, request_id: str, fields: dict) -> bool:
         buffer = self._set_fields(request_id, fields)
@@ -288,8 +329,12 @@ class CheckpointWriter:
         now = time.monotonic()
         # seen by an earlier cycle, normally the previous tick (half: that tick may be early)
         old_enough = now - self.config.checkpoint_interval_s / 2
+        refresh_before = time.time() - OWNER_REFRESH_S
         due = []
         for buffer in self._buffers.values():
+            if not buffer.is_dirty and buffer.record.updated_at <= refresh_before:
+                buffer.version += 1  # nothing new, but readers must see its router alive
+                buffer.due = True
             if not buffer.is_dirty:
                 continue
             if buffer.due or not self._reachable or 0.0 < buffer.dirty_seen_at <= old_enough:

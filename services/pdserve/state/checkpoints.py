@@ -67,6 +67,21 @@ class Entry:
         )
 
 
+def resume_point(entries: list[tuple[bytes, dict[bytes, bytes]]]) -> tuple[int, int, list[bytes]]:
+    """Where a writer goes on after a stream's `entries` (XRANGE or XREVRANGE replies, any
+    order): (the next delta's seq, the tokens held, the ids of end entries to remove).
+    An end entry counts every delta before it; a range written twice counts once."""
+    seq = offset = 0
+    ends: list[bytes] = []
+    for entry_id, fields in entries:
+        entry = Entry.parse(fields)
+        if entry.end:
+            ends.append(entry_id)
+        seq = max(seq, entry.seq + len(entry.ids))
+        offset = max(offset, entry.offset + sum(len(ids) for ids in entry.ids))
+    return seq, offset, ends
+
+
 @dataclass
 class Cursor:
     """Walks a stream's entries in order, keeping what a reader resuming at `offset` gets."""

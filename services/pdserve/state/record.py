@@ -16,6 +16,18 @@ from pdserve.core.sampling_params import SamplingParams
 
 # Bumped whenever the digest's bytes change, so that no two layouts ever match.
 _DIGEST_TAG = b"pdserve.request-digest.v1\n"
+# A record's size is bounded by what it holds: a client's id is at most this long (the
+# router refuses longer ones, naming `request_id`), a failure's text is cut to
+# MAX_ERROR_CHARS, and the rest are counts, times, digests and worker addresses. So a
+# record in Redis stays under MAX_RECORD_BYTES whatever a client sends.
+MAX_REQUEST_ID_BYTES = 256
+MAX_ERROR_CHARS = 512
+MAX_RECORD_BYTES = 16 << 10
+# A request that failed with one of these status codes (by name) told its client to try
+# again: no worker or no room for it then, or its attempts ran out on dead workers. A
+# call with its id asking the same runs it again (`RequestRecord.may_run_again`) rather
+# than replaying the failure, so a client's retry with the id can succeed.
+RUN_AGAIN_CODES = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED"})
 
 
 @dataclass
@@ -33,7 +45,8 @@ class RequestRecord:
     router_id: str = ""  # the router running it: the only writer
     trace_id: str = ""  # its OpenTelemetry trace (32 hex digits); "": not traced
     finish_reason: str = ""  # "stop" | "length" | "abort" | ""
-    error: str = ""  # for FAILED: "CODE: message"
+    error: str = ""  # for FAILED: "ErrorType: message"
+    error_code: str = ""  # for FAILED: the status code it failed with ("UNAVAILABLE", ...)
     created_at: float = field(default_factory=time.time)
     updated_at: float = 0.0  # the last write
     first_token_at: float = 0.0  # set by the first append_tokens with tokens
@@ -54,9 +67,15 @@ class RequestRecord:
     def is_terminal(self) -> bool:
         return self.status.is_terminal
 
+    @property
+    def may_run_again(self) -> bool:
+        """Failed with a status that asked its client to try again (RUN_AGAIN_CODES)."""
+        return self.status is RequestPhase.FAILED and self.error_code in RUN_AGAIN_CODES
+
     def to_json(self) -> str:
         # Every field is a plain value (status a str), so no dataclasses.asdict deep copy.
         fields = {name: getattr(self, name) for name in _RECORD_FIELD_NAMES}
+        fields["error"] = self.error[:MAX_ERROR_CHARS]  # a worker's message may be long
         return json.dumps(fields, separators=(",", ":"))
 
     @classmethod

@@ -3,13 +3,18 @@
 Several routers share one Redis. The router that runs a request is its only writer
 (`create`, `update`, `append_tokens`, `finish`); any router reads it (`get`,
 `read_tokens`, `follow`), so a client can re-attach through another router from a
-token offset, even while the request still runs.
+token offset, even while the request still runs. A request that stopped running
+(its router died, or it failed asking to try again) passes to the router that
+`adopt`s it: its writer from then on.
 
 Keys (prefix `pdserve` by default), both expiring ttl_s after a request's last write
 (while it runs, the stream's expiry is renewed every ttl_s / 2, not on every write):
 
     {prefix}:req:{id}      string, the RequestRecord as JSON; created with SET NX
     {prefix}:tokens:{id}   stream of checkpoint entries, oldest first
+
+With API keys, `id` is the one the router stores a keyed caller's request under,
+`KEYID/ID` (`router.auth.caller.Caller.scoped_id`): each key's ids are its own.
 
 A checkpoint entry holds consecutive deltas (one per engine step: token ids and the
 text they completed). Its fields:
@@ -84,7 +89,9 @@ __all__ = [
 
 # A new request should hear UNAVAILABLE within a second, so no retries and short
 # timeouts (the writer's side retries by itself, in the background).
-CONNECT_TIMEOUT_S = 0.25
+# (A connect takes microseconds; the timeout is for a loaded router whose event loop
+# runs late: 0.25 s refused requests on a busy two-core machine with Redis up.)
+CONNECT_TIMEOUT_S = 1.0
 SOCKET_TIMEOUT_S = 0.5
 # How long a running request's new tokens may wait for their checkpoint (about; up to
 # twice this). Readers following a running request lag by as much.
@@ -156,6 +163,17 @@ class RequestStore:
         Raises StateUnavailableError when Redis does not answer.
         """
         return await self._writer.create(record)
+
+    async def adopt(self, record: RequestRecord, seen_updated_at: float) -> int | None:
+        """Run here a request another router stopped running: one whose router died (its
+        record stopped moving) or one that failed asking its client to try again
+        (`RequestRecord.may_run_again`). `record` names this router and replaces the one
+        Redis holds if that is unchanged since the caller read it (`seen_updated_at`).
+
+        Returns how many tokens its checkpoints hold (this run goes on from there); None
+        if another router wrote it since (follow that one). Raises StateUnavailableError.
+        """
+        return await self._writer.adopt(record, seen_updated_at)
 
     async def update(self, request_id: str, **fields) -> bool:
         """Set record fields of a request running here (a terminal status: use `finish`).

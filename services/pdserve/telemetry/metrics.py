@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdserve.core.phase import RequestPhase
+from pdserve.telemetry.admission_metrics import AdmissionMetrics
 from pdserve.telemetry.endpoint import METRICS_PATH, MetricsServer
 from pdserve.telemetry.summary import RequestSummary
 
@@ -122,6 +123,7 @@ class _RouterMetrics:
         )
         self._request_histograms(histogram)
         self._counters(registry)
+        self.admission = AdmissionMetrics(registry, self._labels)  # the admission queue's
 
     def _request_histograms(self, histogram) -> None:
         self.e2e = histogram(
@@ -169,8 +171,9 @@ class _RouterMetrics:
         )
         self.routing_decisions = Counter(
             "pdserve:routing_decisions",
-            "Prefill workers chosen, by policy and outcome (cache hit or miss, colocated)",
-            (*LABELS, "policy", "outcome"),
+            "Prefill workers chosen, by policy and outcome (cache hit or miss, colocated) "
+            "and the reason for remote or colocated (router/disaggregation.py's Reason)",
+            (*LABELS, "policy", "outcome", "reason"),
             registry=registry,
         )
         self.relay_streams = Gauge(
@@ -371,10 +374,17 @@ def retry(reason: str) -> None:
         _current.router.retries.labels(*_current.labels.values, reason).inc()
 
 
-def routing_decision(policy: str, outcome: RoutingOutcome) -> None:
-    """The router sent a prompt to a prefill worker its `policy` chose (or colocated it)."""
+def routing_decision(policy: str, outcome: RoutingOutcome, reason: str) -> None:
+    """The router sent a prompt to a prefill worker its `policy` chose (or colocated it),
+    for `reason` (why remote or colocated: router/disaggregation.py's Reason)."""
     if _current is not None:
-        _current.router.routing_decisions.labels(*_current.labels.values, policy, outcome).inc()
+        labels = (*_current.labels.values, policy, outcome, reason)
+        _current.router.routing_decisions.labels(*labels).inc()
+
+
+def admission() -> AdmissionMetrics | None:
+    """The router's admission queue metrics while it records; None: record nothing."""
+    return None if _current is None else _current.router.admission
 
 
 def kv_transferred(side: TransferSide, num_bytes: int, seconds: float) -> None:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from pdserve.api.v1 import common_pb2
@@ -47,6 +48,14 @@ class Milestones(Protocol):
     received_at: float
     admitted_at: float
     first_token_at: float
+
+
+def placement_event(attributes: dict[str, object]) -> None:
+    """Where the router prefills the request and why (router/disaggregation.py), as an
+    event on the current span: the request's, where the runner decides."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.add_event("pdserve.placement", attributes)
 
 
 def request_attributes(sampling: common_pb2.SamplingParams, model: str) -> dict[str, object]:

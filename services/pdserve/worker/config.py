@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from pdserve.core.listen import check_bind, check_port
+from pdserve.core.tls_config import TlsConfig
 from pdserve.core.workers import ROLES
 from pdserve.engine.config import EngineConfig
 from pdserve.kv.transfer import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_NUM_STREAMS
@@ -41,6 +42,19 @@ class WorkerConfig:
         default=False,
         metadata={"help": "serve gRPC reflection (lists the internal services to any caller)"},
     )
+    # mTLS: --tls-cert, --tls-key, --tls-ca (callers need a certificate of the CA)
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    health_port: int | None = field(
+        default=None,
+        metadata={"help": "also serve grpc.health.v1 alone, plaintext, on this port (probes)"},
+    )
+    kv_port: int | None = field(
+        default=None,
+        metadata={
+            "help": "decode/both: serve KVTransfer on this port of its own",
+            "default_help": "the gRPC port",
+        },
+    )
     threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads (default: torch's choice)"}
     )
@@ -62,12 +76,26 @@ class WorkerConfig:
             "flag": "max-lease-lifetime",
         },
     )
+    trust_prefill_kv: bool | None = field(
+        default=None,
+        metadata={
+            "help": "share KV imported from prefill workers with later requests through the "
+            "prefix cache (trust it as our own); off: only its own request reads it",
+            "default_help": "on when TLS is on",
+        },
+    )
     # 1 measured best on 2 cores (docs/benchmarks.md)
     kv_streams: int = field(
         default=DEFAULT_NUM_STREAMS, metadata={"help": "parallel KV push streams per request"}
     )
     max_message_bytes: int = field(
         default=DEFAULT_MAX_MESSAGE_BYTES, metadata={"help": "KV payload bytes per message"}
+    )
+    # every router multiplexes its calls to a worker on one connection: at most its
+    # running requests' Prefill calls (--max-inflight, 256) and their Admits at once
+    max_concurrent_streams: int = field(
+        default=1024,
+        metadata={"help": "calls at once on one connection to this worker (HTTP/2); more wait"},
     )
     max_decode_peers: int = field(
         default=64,
@@ -100,7 +128,8 @@ class WorkerConfig:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         check_port("port", self.port)
-        check_bind(self.host, insecure=self.insecure)
+        check_bind(self.host, insecure=self.insecure, tls=self.tls.enabled)
+        self._check_side_ports()
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.lease_ttl_s <= 0:
@@ -117,11 +146,27 @@ class WorkerConfig:
                 f"max_lease_lifetime_s ({self.max_lease_lifetime_s}) must be >= "
                 f"max_lease_ttl_s ({self.max_lease_ttl_s})"
             )
-        for name in ("kv_streams", "max_message_bytes", "max_decode_peers"):
+        positive = ("kv_streams", "max_message_bytes", "max_decode_peers", "max_concurrent_streams")
+        for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+
+    @property
+    def shares_imported_kv(self) -> bool:
+        """Whether imported KV joins the prefix cache: --trust-prefill-kv if given, else
+        whether TLS is on (then only authenticated prefill workers can push KV here)."""
+        if self.trust_prefill_kv is not None:
+            return self.trust_prefill_kv
+        return self.tls.enabled
+
+    def _check_side_ports(self) -> None:
+        for name in ("health_port", "kv_port"):
+            if getattr(self, name) is not None:
+                check_port(name, getattr(self, name))
+        if self.kv_port is not None and self.role == "prefill":
+            raise ValueError("kv_port: a prefill worker serves no KV (decode and both do)")
 
     @property
     def model(self) -> str:

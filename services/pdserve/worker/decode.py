@@ -11,12 +11,13 @@ from google.rpc import code_pb2
 from opentelemetry.trace import Span, SpanKind
 
 from pdserve.api.v1 import decode_pb2, decode_pb2_grpc, kv_transfer_pb2, kv_transfer_pb2_grpc
-from pdserve.core.errors import PreconditionError
+from pdserve.core.errors import InvalidRequestError, PreconditionError
 from pdserve.core.kv_chunk import KVLayerChunk
 from pdserve.core.protocol import PROTOCOL_VERSION, check_peer
 from pdserve.kv.lease import Lease
 from pdserve.kv.transfer import receive_push
 from pdserve.rpc.errors import rpc_errors, status_code
+from pdserve.rpc.registration import UndecodableRequest
 from pdserve.rpc.wire import sampling_params_from_proto
 from pdserve.rpc.wire.worker import lease_renewal_to_proto, lease_to_proto, worker_load_to_proto
 from pdserve.telemetry import metrics, tracing
@@ -46,7 +47,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 request.lease_ttl_ms / 1000,  # 0: the worker's default
             )
             span.set_attribute("pdserve.lease.num_blocks", lease.num_blocks)
-        return lease_to_proto(lease, worker.layout)
+        return lease_to_proto(lease, worker.layout, kv_address=worker.kv_address)
 
     @rpc_errors
     async def Stream(self, request, context):
@@ -110,6 +111,16 @@ class _ReceivedKV:
         self.span.end()
 
 
+async def _parse_errors(requests):
+    """PushKV's messages, one that did not parse as the InvalidRequestError it makes
+    (`receive_push` reads the rest of the stream before it fails)."""
+    async for request in requests:
+        if isinstance(request, UndecodableRequest):
+            yield InvalidRequestError(request.field, request.message)
+        else:
+            yield request
+
+
 class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     def __init__(self, worker: Worker):
         self.worker = worker
@@ -143,7 +154,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
             received.add(leases.import_chunk(lease_id, first_block, chunk), chunk.layer)
 
         try:
-            result = await receive_push(request_iterator, on_chunk)
+            result = await receive_push(_parse_errors(request_iterator), on_chunk)
         except asyncio.CancelledError:
             # The pusher went away mid-stream (its process died, or it gave up): its
             # leases can never complete, so fail them now rather than at their deadline.
@@ -168,5 +179,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
 
     @rpc_errors
     async def CommitKV(self, request, context):
-        await self.worker.leases.commit(request.lease_id, request.first_token_id)
+        # Imported KV is shared with other requests only from prefill workers we trust.
+        shared = self.worker.config.shares_imported_kv
+        await self.worker.leases.commit(request.lease_id, request.first_token_id, shared=shared)
         return kv_transfer_pb2.CommitKVResponse()

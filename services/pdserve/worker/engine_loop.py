@@ -14,6 +14,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,40 @@ class KVExport:
     request_id: str
     # (first block index, one layer's chunk), then EXPORT_DONE; or an exception
     chunks: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+
+
+# Step statistics (load reports) are moving averages: the newest step weighs this much.
+STEP_EMA_WEIGHT = 0.2
+# Steps of at least this many tokens are prefill work: only they measure prefill speed.
+MIN_PREFILL_STEP_TOKENS = 64
+
+
+class StepStats:
+    """The engine's queued prefill work, recent step time and prefill speed, for the load
+    it reports.
+
+    Written by the engine thread between steps, read by heartbeats and GetLoad on the
+    event loop: numbers, each written whole, so a reader sees an old or a new value and
+    never walks the scheduler's queues while the engine thread changes them.
+    """
+
+    __slots__ = ("queued_prefill_tokens", "step_time_ms", "prefill_tokens_per_s")
+
+    def __init__(self) -> None:
+        self.queued_prefill_tokens = 0  # as of the last step or command
+        self.step_time_ms = 0.0  # 0: no step yet
+        self.prefill_tokens_per_s = 0.0  # 0: no prefill-sized step yet
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if not num_tokens:  # nothing was scheduled: no step ran
+            return
+        self.step_time_ms = _moving(self.step_time_ms, seconds * 1000)
+        if num_tokens >= MIN_PREFILL_STEP_TOKENS and seconds > 0:
+            self.prefill_tokens_per_s = _moving(self.prefill_tokens_per_s, num_tokens / seconds)
+
+
+def _moving(average: float, value: float) -> float:
+    return value if average == 0 else average + STEP_EMA_WEIGHT * (value - average)
 
 
 class Sink:
@@ -76,6 +111,7 @@ class EngineLoop:
         # by request id: blocks [0, n) of the export went out, each once (`export_layer`)
         self._num_blocks_sent: dict[str, int] = {}
         self._stopping = False
+        self.step_stats = StepStats()
         self._thread = threading.Thread(target=self._main, name="engine", daemon=True)
 
     def start(self) -> None:
@@ -125,10 +161,15 @@ class EngineLoop:
     def _main(self) -> None:
         while not self._stopping:
             self._run_commands(block=not self.engine.has_unfinished_requests())
+            self.step_stats.queued_prefill_tokens = self.engine.scheduler.num_queued_prefill_tokens
             if self._stopping or not self.engine.has_unfinished_requests():
                 continue
+            scheduler, started = self.engine.scheduler, time.perf_counter()
+            num_tokens_before = scheduler.num_scheduled_tokens
             try:
                 deltas = self.engine.step(self._export_layer if self._exports else None)
+                num_tokens = scheduler.num_scheduled_tokens - num_tokens_before
+                self.step_stats.observe(num_tokens, time.perf_counter() - started)
             except Exception as exc:  # a bug or OOM: fail the step's requests, keep serving
                 log.exception("engine step failed")
                 self._fail_all(EngineFailedError(f"engine step failed: {exc}"))

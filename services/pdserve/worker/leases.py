@@ -9,12 +9,14 @@ frees its blocks, or aborts its request once the request runs on the engine.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.core.errors import (
+    InvalidRequestError,
     LeaseAbortedError,
     LeaseExpiredError,
     LeaseNotFoundError,
@@ -117,11 +119,22 @@ class AdmittedLeases:
         """Move an open lease's deadline, up to its lifetime (see `LeaseTable.renew`)."""
         return self._table.renew(lease_id)
 
-    async def commit(self, lease_id: str, first_token_id: int) -> None:
-        """The lease's KV is complete: its request continues on the engine."""
+    async def commit(self, lease_id: str, first_token_id: int, *, shared: bool = False) -> None:
+        """The lease's KV is complete: its request continues on the engine.
+
+        `shared`: its KV joins the prefix cache (KV from a trusted prefill worker only;
+        see `LLMEngine.commit_kv`). InvalidRequestError for a first token outside the
+        vocabulary, before anything changes.
+        """
+        vocab_size = self._engine.model_config.vocab_size
+        if not 0 <= first_token_id < vocab_size:
+            raise InvalidRequestError(
+                "first_token_id", f"{first_token_id} is outside the vocabulary [0, {vocab_size})"
+            )
         lease = self._table.commit(lease_id)  # raises unless open, in time, complete
         admitted = self._admitted[lease_id]
-        await self._loop.call(self._engine.commit_kv, lease.request_id, first_token_id)
+        commit = functools.partial(self._engine.commit_kv, shared=shared)
+        await self._loop.call(commit, lease.request_id, first_token_id)
         if not admitted.ready.done():
             admitted.ready.set_result(None)
 

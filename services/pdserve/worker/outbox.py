@@ -175,7 +175,7 @@ class Outbox:
         prompt = list(request.prompt_token_ids)
         params = sampling_params_from_proto(request.sampling)
         try:
-            sink = await worker.start_local(prompt, params, attached.request_id)
+            sink = await worker.start_local(prompt, params, attached.request_id, request.priority)
         except Exception as exc:  # a refusal, or the engine's error: the request's last item
             if not attached.ended:
                 self.fail(attached, exc)

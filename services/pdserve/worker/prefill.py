@@ -8,28 +8,26 @@ import logging
 import queue
 import time
 import uuid
-from collections import OrderedDict
 
 import grpc
 from opentelemetry.trace import SpanKind
 
 from pdserve.api.v1 import (
     decode_pb2,
-    decode_pb2_grpc,
     kv_transfer_pb2,
     kv_transfer_pb2_grpc,
     prefill_pb2_grpc,
 )
-from pdserve.core.errors import InvalidRequestError, PreconditionError
-from pdserve.core.protocol import PROTOCOL_VERSION, check_peer
+from pdserve.core.errors import InvalidRequestError
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.outputs import RequestOutput
-from pdserve.kv.transfer import KVPusher, KVPushError, PushTotals, channel_options
+from pdserve.kv.transfer import KVPusher, KVPushError, PushTotals
 from pdserve.rpc.errors import rpc_errors
 from pdserve.rpc.wire import sampling_params_from_proto
 from pdserve.rpc.wire.worker import prefill_response_to_proto, worker_load_to_proto
 from pdserve.telemetry import metrics, tracing
 from pdserve.telemetry.metrics import TransferSide
+from pdserve.worker.decode_peers import DecodePeer, DecodePeers
 from pdserve.worker.engine_loop import EXPORT_DONE, EngineFailedError, KVExport, Sink
 from pdserve.worker.worker import Worker
 
@@ -39,112 +37,6 @@ PREFILL_ID_SUFFIX = "/prefill"
 RENEWALS_PER_TTL = 3
 RENEW_RETRY_S = 0.5
 RENEW_TIMEOUT_S = 5.0
-
-
-class _DecodePeer:
-    """One decode worker as seen from here: a control channel and a KV pusher.
-
-    `users` counts the hand-offs using it; a retired peer (evicted, or unreachable) is
-    closed once the last of them ends, so no push is cut off by an eviction.
-    """
-
-    def __init__(self, address: str, worker: Worker):
-        options = channel_options(worker.config.max_message_bytes)
-        self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=options)
-        self.kv = kv_transfer_pb2_grpc.KVTransferStub(self.channel)
-        self.decode = decode_pb2_grpc.DecodeStub(self.channel)
-        self.pusher = KVPusher(
-            address,
-            num_streams=worker.config.kv_streams,
-            max_message_bytes=worker.config.max_message_bytes,
-        )
-        self.verified = False
-        self.users = 0
-        self.retired = False
-
-    async def handshake(self, worker: Worker) -> None:
-        """Check once that the decode worker runs our model with our KV layout."""
-        if self.verified:
-            return
-        request = kv_transfer_pb2.HandshakeRequest(
-            layout=worker.layout,
-            sender=worker.config.worker_id,
-            protocol_version=PROTOCOL_VERSION,
-        )
-        try:
-            reply = await self.kv.Handshake(request, timeout=10)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                raise PreconditionError(exc.details()) from exc
-            raise
-        check_peer(reply.protocol_version, f"decode worker {reply.receiver or self.address}")
-        self.verified = True
-
-    async def close(self) -> None:
-        await self.channel.close()
-        await asyncio.to_thread(self.pusher.close)
-
-
-class DecodePeers:
-    """The decode workers this prefill worker hands KV to, at most --max-decode-peers.
-
-    Each peer holds a channel and a pusher with a thread of its own. Decode workers come
-    and go (pods move), so peers are kept least recently used first and the oldest goes
-    when a new one would exceed the bound; one found unreachable goes at once. Without
-    this a prefill worker kept a thread for every decode address it ever saw.
-    """
-
-    def __init__(self, worker: Worker):
-        self.worker = worker
-        self._peers: OrderedDict[str, _DecodePeer] = OrderedDict()
-        self._closing: set[asyncio.Task] = set()
-
-    def __len__(self) -> int:
-        return len(self._peers)
-
-    def acquire(self, address: str) -> _DecodePeer:
-        """The peer for `address`, for one hand-off: give it back with `release`."""
-        peer = self._peers.pop(address, None) or _DecodePeer(address, self.worker)
-        self._peers[address] = peer  # the most recently used is last
-        peer.users += 1
-        while len(self._peers) > self.worker.config.max_decode_peers:
-            self._retire(self._peers.popitem(last=False)[1])
-        return peer
-
-    def release(self, peer: _DecodePeer, error: BaseException | None = None) -> None:
-        """A hand-off is done with `peer`; `error` is what ended it, if anything did."""
-        peer.users -= 1
-        if _unreachable(error) and self._peers.get(peer.address) is peer:
-            del self._peers[peer.address]  # that worker is gone: the next hand-off reconnects
-            peer.retired = True
-        if peer.retired:
-            self._retire(peer)
-
-    def _retire(self, peer: _DecodePeer) -> None:
-        peer.retired = True
-        if peer.users == 0:
-            self._close(peer)
-
-    def _close(self, peer: _DecodePeer) -> None:
-        task = asyncio.create_task(peer.close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-
-    async def close(self) -> None:
-        """Close every peer (after the hand-offs have ended)."""
-        peers, self._peers = list(self._peers.values()), OrderedDict()
-        for peer in peers:
-            self._close(peer)
-        if self._closing:
-            await asyncio.gather(*self._closing, return_exceptions=True)
-
-
-def _unreachable(error: BaseException | None) -> bool:
-    """Whether `error` says the decode worker cannot be reached (UNAVAILABLE)."""
-    if isinstance(error, grpc.aio.AioRpcError):
-        return error.code() == grpc.StatusCode.UNAVAILABLE
-    return isinstance(error, KVPushError) and error.code == grpc.StatusCode.UNAVAILABLE
 
 
 async def keep_lease_open(kv: kv_transfer_pb2_grpc.KVTransferStub, lease_id: str) -> None:
@@ -264,13 +156,23 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         params = sampling_params_from_proto(request.sampling)
         lease_id = request.target.lease_id
         peer = self.peers.acquire(request.target.address)
+        try:
+            await peer.check_role()
+        except BaseException as exc:
+            self.peers.release(peer, exc)
+            raise
         export, push = KVExport(request_id), None
         keeper = asyncio.create_task(keep_lease_open(peer.kv, lease_id))
         try:
             await peer.handshake(worker)
             sink = worker.loop.open_sink(request_id)
             await worker.loop.call(
-                self._start, list(request.prompt_token_ids), params, request_id, export
+                self._start,
+                list(request.prompt_token_ids),
+                params,
+                request_id,
+                export,
+                request.priority,
             )
             chunks = exported_chunks(export, worker.config.lease_ttl_s)
             pushing = push_kv(peer.pusher, lease_id, chunks, request_id=request.request_id)
@@ -289,9 +191,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         task.add_done_callback(self.transfers.discard)
         return first, reason
 
-    def _start(self, prompt, params, request_id, export) -> None:
+    def _start(self, prompt, params, request_id, export, priority: int) -> None:
         """On the engine thread: queue the prompt and its layer-by-layer export together."""
-        self.worker.engine.add_request(prompt, prefill_only(params), request_id)
+        self.worker.engine.add_request(prompt, prefill_only(params), request_id, priority)
         self.worker.loop.add_export(export)
 
     async def _first_token(self, request_id: str, sink: Sink) -> RequestOutput:
@@ -343,7 +245,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             keeper.cancel()
             self.peers.release(peer, error)
 
-    async def _release(self, peer: _DecodePeer, lease_id: str, push) -> None:
+    async def _release(self, peer: DecodePeer, lease_id: str, push) -> None:
         """Give the decode lease back, once the push into it (if any) has ended."""
         if push is not None:
             await _push_ended(push)

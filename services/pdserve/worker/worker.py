@@ -31,12 +31,16 @@ class Worker:
         port: int,
         *,
         metrics_port: int | None = None,  # of its metrics endpoint, if it serves one
+        kv_port: int | None = None,  # of its KVTransfer, if on a port of its own (--kv-port)
     ):
         self.config = config
         self.engine = engine
         self.fingerprint = fingerprint  # of the model's weights (`model_fingerprint`)
         host = config.advertise_host or config.host
         self.address = f"{host}:{port}"  # how others reach us
+        # where prefill workers push KV here when it has a port of its own (the router
+        # passes it on in Prefill's target); "": the address the caller reached us at
+        self.kv_address = f"{host}:{kv_port}" if kv_port is not None else ""
         self.metrics_address = f"{host}:{metrics_port}" if metrics_port is not None else ""
         self.loop = EngineLoop(engine, asyncio.get_running_loop())
         # What an Admit may ask for: its TTL is capped, renewals end at the lifetime.
@@ -93,10 +97,18 @@ class Worker:
             cached_block_hashes=[h.hex() for h in hashes],
             updated_at=time.time(),
             metrics_address=self.metrics_address,
+            kv_address=self.kv_address,
+            queued_prefill_tokens=self.loop.step_stats.queued_prefill_tokens,
+            step_time_ms=self.loop.step_stats.step_time_ms,
+            prefill_tokens_per_s=self.loop.step_stats.prefill_tokens_per_s,
         )
 
     async def start_local(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        priority: int = 0,  # lower runs first (engine/scheduling.py)
     ) -> Sink:
         """Queue a colocated request (prefill and decode here); its deltas arrive in the sink.
 
@@ -105,7 +117,9 @@ class Worker:
         self.check_admitting()
         sink = self.loop.open_sink(request_id)
         try:
-            await self.loop.call(self.engine.add_request, prompt_token_ids, params, request_id)
+            await self.loop.call(
+                self.engine.add_request, prompt_token_ids, params, request_id, priority
+            )
         except BaseException:
             self.loop.close_sink(request_id)
             raise

@@ -21,16 +21,18 @@ class AdmitRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "num_blocks", "deadline_unix_ms", "layout")
+    __slots__ = ("lease_id", "num_blocks", "deadline_unix_ms", "layout", "kv_address")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     num_blocks: int
     deadline_unix_ms: int
     layout: _kv_transfer_pb2.KVLayout
-    def __init__(self, lease_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., layout: _Optional[_Union[_kv_transfer_pb2.KVLayout, _Mapping]] = ...) -> None: ...
+    kv_address: str
+    def __init__(self, lease_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., layout: _Optional[_Union[_kv_transfer_pb2.KVLayout, _Mapping]] = ..., kv_address: _Optional[str] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("lease_id", "stream_interval")
@@ -53,16 +55,18 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class LocalGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stream_interval")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "stream_interval", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     stream_interval: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stream_interval: _Optional[int] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stream_interval: _Optional[int] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs", "finish_reason", "usage", "text_ends")
@@ -85,7 +89,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "free_blocks", "total_blocks", "running", "waiting", "open_leases", "block_size", "protocol_version")
+    __slots__ = ("role", "free_blocks", "total_blocks", "running", "waiting", "open_leases", "block_size", "protocol_version", "model_fingerprint", "kv_address", "queued_prefill_tokens", "step_time_ms", "prefill_tokens_per_s")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +98,11 @@ class WorkerLoad(_message.Message):
     OPEN_LEASES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     role: str
     free_blocks: int
     total_blocks: int
@@ -102,7 +111,12 @@ class WorkerLoad(_message.Message):
     open_leases: int
     block_size: int
     protocol_version: int
-    def __init__(self, role: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., open_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    model_fingerprint: str
+    kv_address: str
+    queued_prefill_tokens: int
+    step_time_ms: float
+    prefill_tokens_per_s: float
+    def __init__(self, role: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., open_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., protocol_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_address: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class RelayCommand(_message.Message):
     __slots__ = ("attach", "detach")

@@ -7,6 +7,10 @@ OpenAI's shape, from a malformed body to a missing route.
   its `--served-model-name`; a request naming another is a 404.
 - `GET /health`, `GET /version`, and `GET /metrics` (the router's Prometheus metrics, as
   its `--metrics-port` endpoint serves them; a 404 when that is off).
+
+With API keys (`--api-key-file`) every route but `GET /health` needs `Authorization:
+Bearer KEY` (a 401 with code `invalid_api_key` otherwise, one message for every way a key
+is wrong), and a generation is admitted under the key's limits (a 429 with Retry-After).
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import Annotated
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
@@ -24,7 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from pdserve import __version__
-from pdserve.core.errors import EngineError
+from pdserve.core.errors import EngineError, StateUnavailableError
 from pdserve.gateways.chat_template import ChatTemplate
 from pdserve.gateways.openai import convert
 from pdserve.gateways.openai.asgi import Generation, GenerationResponse
@@ -39,6 +44,9 @@ from pdserve.gateways.openai.errors import (
 )
 from pdserve.gateways.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.gateways.openai.responses import ChatFormat, CompletionFormat, TokenTexts
+from pdserve.router.auth.caller import Caller
+from pdserve.router.auth.gate import AuthenticationError, Gate
+from pdserve.router.auth.limits import RateLimitedError
 from pdserve.router.frontend import Frontend
 
 OWNER = "pdserve"
@@ -47,15 +55,18 @@ _UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "
 
 
 class OpenAIGateway:
-    """What the routes share: the frontend, the model's chat template and its name."""
+    """What the routes share: the frontend, the model's chat template and its name, and
+    the gate that checks API keys."""
 
     def __init__(
         self,
         frontend: Frontend,
         chat_template: ChatTemplate | None,
         metrics: CollectorRegistry | None = None,
+        gate: Gate | None = None,
     ):
         self.frontend, self.chat_template, self.metrics = frontend, chat_template, metrics
+        self.gate = gate or Gate(None, None)  # None: no keys, every caller anonymous
         self.texts = TokenTexts(frontend.tokenizer)
         self.created = int(time.time())
 
@@ -68,25 +79,36 @@ class OpenAIGateway:
             message = f"the model `{model}` does not exist: this server serves `{self.model_name}`"
             raise OpenAIError(MODEL_NOT_FOUND, message, "model")
 
-    def chat(self, body: ChatCompletionRequest) -> Response:
+    def authenticate(self, request: Request) -> Caller:
+        """The caller the request's `Authorization: Bearer` header proves (401 if none)."""
+        return self.gate.authenticate(request.headers.get("authorization"))
+
+    async def chat(self, body: ChatCompletionRequest, caller: Caller) -> Response:
         self.check_model(body.model)
-        routed = convert.chat_requests(body, self.chat_template, self.frontend.max_model_len)
+        # rendering and tokenizing a long chat would hold the event loop: a thread does it
+        routed = await asyncio.to_thread(
+            convert.chat_requests, body, self.chat_template, self.frontend.limits
+        )
         format = ChatFormat(
             self.model_name, self.texts, logprobs=body.logprobs, include_usage=body.include_usage
         )
-        return self._generation(routed, format, body.stream, body.include_usage)
+        return await self._generation(routed, format, body.stream, body.include_usage, caller)
 
-    def completions(self, body: CompletionRequest) -> Response:
+    async def completions(self, body: CompletionRequest, caller: Caller) -> Response:
         self.check_model(body.model)
         routed = convert.completion_requests(body)
         with_logprobs = body.logprobs is not None
         format = CompletionFormat(
             self.model_name, self.texts, logprobs=with_logprobs, include_usage=body.include_usage
         )
-        return self._generation(routed, format, body.stream, body.include_usage)
+        return await self._generation(routed, format, body.stream, body.include_usage, caller)
 
-    def _generation(self, routed, format, stream: bool, include_usage: bool) -> Response:
-        return GenerationResponse(self.frontend, Generation(routed, format, stream, include_usage))
+    async def _generation(
+        self, routed, format, stream: bool, include_usage: bool, caller: Caller
+    ) -> Response:
+        generation = Generation(routed, format, stream, include_usage)
+        slot = await self.gate.admit(caller)  # after the checks: a bad request costs nothing
+        return GenerationResponse(self.frontend, generation, caller, slot)
 
     def model_card(self) -> dict:
         return {
@@ -98,22 +120,33 @@ class OpenAIGateway:
         }
 
 
+def _authenticated(request: Request) -> Caller:
+    """The route's caller (a dependency: resolved before the body is read)."""
+    return request.app.state.gateway.authenticate(request)
+
+
+Authenticated = Annotated[Caller, Depends(_authenticated)]
+
+
 def create_app(gateway: OpenAIGateway) -> FastAPI:
     app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)
 
+    app.state.gateway = gateway
+    keyed = [Depends(_authenticated)]  # every route but /health
+
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
-        return gateway.chat(body)
+    async def chat_completions(body: ChatCompletionRequest, caller: Authenticated) -> Response:
+        return await gateway.chat(body, caller)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
-        return gateway.completions(body)
+    async def completions(body: CompletionRequest, caller: Authenticated) -> Response:
+        return await gateway.completions(body, caller)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=keyed)
     async def models() -> dict:
         return {"object": "list", "data": [gateway.model_card()]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", dependencies=keyed)
     async def model(model: str) -> dict:
         gateway.check_model(model)
         return gateway.model_card()
@@ -122,11 +155,11 @@ def create_app(gateway: OpenAIGateway) -> FastAPI:
     async def health() -> dict:
         return {"status": "ok"}
 
-    @app.get("/version")
+    @app.get("/version", dependencies=keyed)
     async def version() -> dict:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=keyed)
     async def metrics() -> Response:
         if gateway.metrics is None:
             raise OpenAIError(NOT_FOUND, "metrics are off: start the router with --metrics-port")
@@ -145,6 +178,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OpenAIError)
     @app.exception_handler(EngineError)
+    @app.exception_handler(AuthenticationError)
+    @app.exception_handler(RateLimitedError)
+    @app.exception_handler(StateUnavailableError)
     async def refused(request: Request, exc: Exception) -> JSONResponse:
         return _json_error(reply_for(exc))
 

@@ -19,6 +19,8 @@ from pdserve.gateways.openai.convert import RouterRequests
 from pdserve.gateways.openai.errors import ErrorReply, reply_for
 from pdserve.gateways.openai.responses import SSE_DONE, ResponseFormat, sse_event
 from pdserve.gateways.openai.streams import ChoiceStreams
+from pdserve.router.auth.caller import ANONYMOUS, Caller
+from pdserve.router.auth.limits import NO_SLOT, Slot
 from pdserve.router.frontend import Frontend
 
 JSON_TYPE = b"application/json"
@@ -40,11 +42,19 @@ class Generation:
 
 
 class GenerationResponse(Response):
-    """Runs a `Generation` against the frontend while the client is there."""
+    """Runs a `Generation` against the frontend while the client is there, for `caller`,
+    holding the API key's concurrency `slot` (admitted by the route) until it ends."""
 
-    def __init__(self, frontend: Frontend, generation: Generation):
+    def __init__(
+        self,
+        frontend: Frontend,
+        generation: Generation,
+        caller: Caller = ANONYMOUS,
+        slot: Slot = NO_SLOT,
+    ):
         super().__init__()
         self.frontend, self.generation = frontend, generation
+        self.caller, self.slot = caller, slot
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         run = self._stream if self.generation.stream else self._whole
@@ -56,18 +66,19 @@ class GenerationResponse(Response):
             gone.cancel()
             work.cancel()  # a no-op once it is done
             await asyncio.gather(work, gone, return_exceptions=True)
+            self.slot.release()
         if not work.cancelled() and work.exception() is not None:
             raise work.exception()  # the server logs it and closes the connection
 
     async def _whole(self, send: Send) -> None:
         generation, routed = self.generation, self.generation.routed
-        streams = ChoiceStreams(self.frontend, routed.requests)
+        streams = ChoiceStreams(self.frontend, routed.requests, self.caller)
         try:
             finals = await streams.start()  # stream=False: each request's one message
             async for _ in streams.rest():  # each session writes its record's end
                 pass
         except Exception as exc:
-            await _send_error(send, reply_for(exc, routed.names.of))
+            await send_error(send, reply_for(exc, routed.names.of))
             return
         finally:
             await streams.aclose()
@@ -77,12 +88,12 @@ class GenerationResponse(Response):
 
     async def _stream(self, send: Send) -> None:
         generation, routed, chunks = self.generation, self.generation.routed, self.generation.format
-        streams = ChoiceStreams(self.frontend, routed.requests)
+        streams = ChoiceStreams(self.frontend, routed.requests, self.caller)
         try:
             try:
                 firsts = await streams.start()
             except Exception as exc:  # before any token: the request fails with its status
-                await _send_error(send, reply_for(exc, routed.names.of))
+                await send_error(send, reply_for(exc, routed.names.of))
                 return
             chunks.named_after(firsts[0].request_id)
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
@@ -130,6 +141,6 @@ async def _send_json(
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_error(send: Send, reply: ErrorReply) -> None:
+async def send_error(send: Send, reply: ErrorReply) -> None:
     body = json.dumps(reply.body, ensure_ascii=False).encode()
     await _send_json(send, int(reply.kind.status), body, reply.headers)

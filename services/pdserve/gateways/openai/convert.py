@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.api.v1 import common_pb2, router_pb2
+from pdserve.core.sampling_params import RequestLimits
 from pdserve.gateways.chat_template import ChatTemplate
 from pdserve.gateways.openai.errors import bad_request
 from pdserve.gateways.openai.protocol import (
@@ -74,15 +75,19 @@ def _derived_seed(seed: int, index: int) -> int:
 
 
 def chat_requests(
-    request: ChatCompletionRequest, template: ChatTemplate | None, max_model_len: int
+    request: ChatCompletionRequest, template: ChatTemplate | None, limits: RequestLimits
 ) -> RouterRequests:
-    """The chat's prompt rendered and tokenized here (the router gets token ids)."""
+    """The chat's prompt rendered and tokenized here (the router gets token ids); the
+    rendered text is held to --max-prompt-bytes before it is tokenized."""
     _check_common(request, num_prompts=1)
     if template is None:
         raise bad_request("messages", "this model has no chat template: use /v1/completions")
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs", "needs logprobs: true")
-    prompt_ids = template.prompt_ids([_message(i, m) for i, m in enumerate(request.messages)])
+    text = template.render([_message(i, m) for i, m in enumerate(request.messages)])
+    limits.check_text(text, "messages")
+    prompt_ids = template.encode(text)
+    max_model_len = limits.max_model_len
     max_tokens = request.max_completion_tokens
     if max_tokens is None:
         max_tokens = request.max_tokens
@@ -98,7 +103,7 @@ def chat_requests(
     prompt = router_pb2.TokenIds(ids=prompt_ids)
     sampling = _sampling(request, max_tokens, logprobs)
     requests = [
-        _request(sampling, seed, request.stream, token_ids=prompt)
+        _request(sampling, seed, request.stream, token_ids=prompt, priority=request.priority)
         for seed in choice_seeds(request.seed, request.n)
     ]
     return RouterRequests(requests, request.n, names)
@@ -116,7 +121,9 @@ def completion_requests(request: CompletionRequest) -> RouterRequests:
     )
     seeds = choice_seeds(request.seed, request.n)
     requests = [
-        _request(sampling, seed, request.stream, **prompt) for prompt in prompts for seed in seeds
+        _request(sampling, seed, request.stream, priority=request.priority, **prompt)
+        for prompt in prompts
+        for seed in seeds
     ]
     return RouterRequests(requests, request.n, ParamNames("prompt", "max_tokens", "logprobs"))
 
@@ -191,9 +198,16 @@ def _sampling(
 
 
 def _request(
-    sampling: common_pb2.SamplingParams, seed: int | None, stream: bool, **prompt
+    sampling: common_pb2.SamplingParams,
+    seed: int | None,
+    stream: bool,
+    *,
+    priority: int = 0,
+    **prompt,
 ) -> router_pb2.GenerateRequest:
-    request = router_pb2.GenerateRequest(sampling=sampling, stream=stream, **prompt)
+    request = router_pb2.GenerateRequest(
+        sampling=sampling, stream=stream, priority=priority, **prompt
+    )
     if seed is not None:
         request.sampling.seed = seed
     return request

@@ -9,6 +9,7 @@ passes the request's `param_of`). Anything else is a 500 that says no more than 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -16,6 +17,8 @@ from http import HTTPStatus
 import grpc
 
 from pdserve.core import errors
+from pdserve.router.auth.gate import AuthenticationError
+from pdserve.router.auth.limits import RateLimitedError
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # Retry-After is whole seconds; the router's own hint is 0.1 s
@@ -32,9 +35,14 @@ class ErrorClass:
 
 
 BAD_REQUEST = ErrorClass(HTTPStatus.BAD_REQUEST, "invalid_request_error")
+# as OpenAI answers a wrong key; one for a missing, unknown, wrong or revoked key alike
+UNAUTHENTICATED = ErrorClass(HTTPStatus.UNAUTHORIZED, "invalid_request_error", "invalid_api_key")
 NOT_FOUND = ErrorClass(HTTPStatus.NOT_FOUND, "invalid_request_error", "not_found")
 MODEL_NOT_FOUND = ErrorClass(HTTPStatus.NOT_FOUND, "invalid_request_error", "model_not_found")
 METHOD_NOT_ALLOWED = ErrorClass(HTTPStatus.METHOD_NOT_ALLOWED, "invalid_request_error")
+TOO_LARGE = ErrorClass(
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "invalid_request_error", "body_too_large"
+)
 OVERLOADED = ErrorClass(
     HTTPStatus.TOO_MANY_REQUESTS, "rate_limit_error", "rate_limit_exceeded", RETRY_AFTER_S
 )
@@ -84,6 +92,7 @@ class ErrorReply:
     kind: ErrorClass
     message: str
     param: str | None = None
+    retry_after_s: int | None = None  # beats the kind's: an API key's limit says when
 
     @property
     def body(self) -> dict:
@@ -97,7 +106,7 @@ class ErrorReply:
 
     @property
     def headers(self) -> dict[str, str]:
-        retry = self.kind.retry_after_s
+        retry = self.retry_after_s or self.kind.retry_after_s
         return {} if retry is None else {"Retry-After": str(retry)}
 
 
@@ -109,6 +118,10 @@ def reply_for(exc: BaseException, param_of: Callable[[str], str] = str) -> Error
     if isinstance(exc, errors.InvalidRequestError):
         param = param_of(exc.field)
         return ErrorReply(BAD_REQUEST, f"{param}: {exc.message}", param)
+    if isinstance(exc, AuthenticationError):
+        return ErrorReply(UNAUTHENTICATED, str(exc))
+    if isinstance(exc, RateLimitedError):  # an API key over its limit: 429 and when to retry
+        return ErrorReply(OVERLOADED, str(exc), retry_after_s=max(1, math.ceil(exc.retry_after_s)))
     if isinstance(exc, grpc.aio.AioRpcError):
         kind = GRPC_CLASSES.get(exc.code(), INTERNAL)
         return ErrorReply(kind, exc.details() or exc.code().name)

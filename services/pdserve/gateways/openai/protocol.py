@@ -93,6 +93,8 @@ class SamplingFields(_Strict):
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     stop_token_ids: TokenIds | None = None
+    # vLLM's scheduling priority: lower runs first (GenerateRequest.priority, an int32)
+    priority: int = Field(0, ge=-INT32_MAX - 1, le=INT32_MAX)
     # not implemented: see UNSUPPORTED_FIELDS
     logit_bias: Any = None
     service_tier: Any = None

@@ -18,6 +18,8 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.gateways.chat_template import ChatTemplate
 from pdserve.gateways.openai.app import OpenAIGateway, create_app
+from pdserve.gateways.openai.body_limit import BodyLimit
+from pdserve.router.auth.gate import Gate
 from pdserve.router.frontend import Frontend
 
 log = logging.getLogger(__name__)
@@ -56,13 +58,14 @@ class HttpServer:
         model_dir: str,
         metrics: CollectorRegistry | None = None,
         grace_s: float = 30.0,
+        gate: Gate | None = None,
     ) -> HttpServer:
-        """Serve on `host:port` from now on; OSError if the port is taken."""
-        app = create_app(
-            OpenAIGateway(frontend, ChatTemplate.from_dir(model_dir, frontend.tokenizer), metrics)
-        )
+        """Serve on `host:port` from now on; OSError if the port is taken. `gate` checks
+        the API keys (None: no keys, as the router's gRPC port without a key file)."""
+        template = ChatTemplate.from_dir(model_dir, frontend.tokenizer)
+        app = create_app(OpenAIGateway(frontend, template, metrics, gate))
         config = uvicorn.Config(
-            app,
+            BodyLimit(app, frontend.limits.max_json_body_bytes()),
             lifespan="off",
             log_config=None,  # the router's logging stays as it is
             access_log=False,  # a line per request would bury the router's own lines

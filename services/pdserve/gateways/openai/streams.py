@@ -17,6 +17,7 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from pdserve.api.v1 import router_pb2
+from pdserve.router.auth.caller import ANONYMOUS, Caller
 from pdserve.router.frontend import Frontend
 
 Messages = AsyncGenerator[router_pb2.GenerateResponse, None]
@@ -26,8 +27,15 @@ _END = None  # what a reader task queues after a stream's last message
 class ChoiceStreams:
     """`Frontend.generate` for each of `requests`, started together, closed together."""
 
-    def __init__(self, frontend: Frontend, requests: list[router_pb2.GenerateRequest]):
-        self._streams: list[Messages] = [frontend.generate(request) for request in requests]
+    def __init__(
+        self,
+        frontend: Frontend,
+        requests: list[router_pb2.GenerateRequest],
+        caller: Caller = ANONYMOUS,
+    ):
+        self._streams: list[Messages] = [
+            frontend.generate(request, caller=caller) for request in requests
+        ]
         self._readers: list[asyncio.Task] = []
 
     async def start(self) -> list[router_pb2.GenerateResponse]:

@@ -13,6 +13,7 @@ import grpc
 from pdserve.api.v1 import decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from pdserve.core.workers import WorkerInfo
 from pdserve.router.discovery.pool import Refresher, WorkerPool
+from pdserve.rpc.tls import ChannelTls
 from pdserve.rpc.wire.router import worker_info_from_load
 
 log = logging.getLogger(__name__)
@@ -22,16 +23,22 @@ LoadFn = Callable[[str, str], Awaitable[WorkerInfo | None]]
 
 
 class GrpcLoadProbe:
-    """The default `LoadFn`: `GetLoad` over one cached grpc.aio channel per address."""
+    """The default `LoadFn`: `GetLoad` over one cached grpc.aio channel per address (mTLS
+    with `tls`; once its files change, each address gets a channel with the new ones)."""
 
-    def __init__(self, timeout_s: float = 1.0):
+    def __init__(self, timeout_s: float = 1.0, tls: ChannelTls | None = None):
         self.timeout_s = timeout_s
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tls = tls or ChannelTls()
+        self._generation = self._tls.generation
 
     async def __call__(self, address: str, role: str) -> WorkerInfo | None:
+        if self._tls.generation != self._generation:  # polls are short: close at once
+            self._generation = self._tls.generation
+            await self.close()
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = self._tls.aio_channel(address)
         if role == "prefill":
             stub = prefill_pb2_grpc.PrefillStub(channel)
         else:
@@ -62,7 +69,11 @@ class LoadPoller:
     def __init__(self, load_fn: LoadFn | None, interval_s: float, probe_timeout_s: float):
         if interval_s <= 0:
             raise ValueError(f"poll interval must be > 0, got {interval_s}")
-        self._probe = GrpcLoadProbe(probe_timeout_s) if load_fn is None else None
+        # a GrpcLoadProbe given (one with TLS) is the poller's to retain and close, as its own
+        if isinstance(load_fn, GrpcLoadProbe):
+            self._probe: GrpcLoadProbe | None = load_fn
+        else:
+            self._probe = GrpcLoadProbe(probe_timeout_s) if load_fn is None else None
         self.load_fn: LoadFn = load_fn or self._probe
         self.probe_timeout_s = probe_timeout_s
         self.pool = WorkerPool()

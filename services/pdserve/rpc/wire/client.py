@@ -22,12 +22,15 @@ def generate_request_to_proto(
     request_id: str | None,
     resume_from: int | None,
     stream: bool,
+    priority: int = 0,
 ) -> router_pb2.GenerateRequest:
-    """A client's Generate call: a text or token prompt, default params when None."""
+    """A client's Generate call: a text or token prompt, default params when None;
+    `priority`: lower runs first."""
     request = router_pb2.GenerateRequest(
         sampling=sampling_params_to_proto(params or SamplingParams()),
         request_id=request_id or "",
         stream=stream,
+        priority=priority,
     )
     if isinstance(prompt, str):
         request.text = prompt

@@ -32,6 +32,11 @@ def worker_info_from_load(
         open_leases=load.open_leases,
         updated_at=updated_at,
         protocol_version=load.protocol_version,
+        model_fingerprint=load.model_fingerprint,
+        kv_address=load.kv_address,
+        queued_prefill_tokens=load.queued_prefill_tokens,
+        step_time_ms=load.step_time_ms,
+        prefill_tokens_per_s=load.prefill_tokens_per_s,
     )
     if load.block_size:  # 0: a worker older than the field, so WorkerInfo's default stands
         fields["block_size"] = load.block_size

@@ -69,12 +69,16 @@ def kv_layout_to_proto(
     )
 
 
-def lease_to_proto(lease: Lease, layout: kv_transfer_pb2.KVLayout) -> decode_pb2.Lease:
+def lease_to_proto(
+    lease: Lease, layout: kv_transfer_pb2.KVLayout, kv_address: str = ""
+) -> decode_pb2.Lease:
+    """An Admit's answer; `kv_address`: where the lease's KV is pushed (--kv-port)."""
     return decode_pb2.Lease(
         lease_id=lease.lease_id,
         num_blocks=lease.num_blocks,
         deadline_unix_ms=lease.deadline_unix_ms,
         layout=layout,
+        kv_address=kv_address,
     )
 
 
@@ -95,6 +99,11 @@ def worker_load_to_proto(info: WorkerInfo) -> decode_pb2.WorkerLoad:
         open_leases=info.open_leases,
         block_size=info.block_size,
         protocol_version=info.protocol_version,
+        model_fingerprint=info.model_fingerprint,
+        kv_address=info.kv_address,
+        queued_prefill_tokens=info.queued_prefill_tokens,
+        step_time_ms=info.step_time_ms,
+        prefill_tokens_per_s=info.prefill_tokens_per_s,
     )
 
 

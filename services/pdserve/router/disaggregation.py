@@ -1,0 +1,223 @@
+"""Where a prompt is prefilled: on the prefill pool (remote) or on its decode worker itself
+(colocated), decided per request from the workers' live load. Pure: no I/O, no clock.
+
+Disaggregation keeps long prefills off the decode workers (their TPOT), at the price of a
+hop, and of a queue at the prefill pool that every prompt joins: a short prompt arriving
+while the pool works through long ones waits for them. So the router estimates, from
+what the workers last reported (`WorkerInfo`: queued prefill tokens, step time, prefill
+speed, cached prefixes), the prompt's TTFT both ways and what prefilling it would do to
+the decode worker's step time, and decides:
+
+1. no prefill worker to send it to: colocated;
+2. the prefill pool meets the TTFT target: remote (the default shape, as on a quiet
+   cluster: the decode workers keep to decoding);
+3. prefilling on the decode worker would make its step longer than the TPOT target
+   (every request decoding there would feel it): remote;
+4. otherwise the faster of the two: colocated when the pool is behind.
+
+The estimates, in milliseconds, with `rate` the prefill speed (tokens per second) the
+workers measured (the best any of them reports; DEFAULT_PREFILL_TOKENS_PER_S before any
+has), `U` a worker's uncached share of the prompt and `n` its queued requests:
+
+    ahead      = min(queued_prefill_tokens, n * U)   (least-work order: a longer prompt
+                                                      queued there goes after this one)
+    compute    = (ahead + U) / rate
+    busy       = step_time_ms / 2 + max(compute, step_time_ms)   (a step in progress, then
+                 the step the prompt joins: queued work fills it to the token budget, so a
+                 short prompt behind a long one's chunks waits a whole step for its token)
+    ttft       = busy when the worker has queued work, else compute
+    remote     = min over prefill workers of ttft + REMOTE_HOP_MS
+    colocated  = ttft on the decode worker
+    decode step with the prompt = step_time_ms + (queued_prefill_tokens + U) / rate
+
+A fixed `--colocate-below N` replaces the decision: prompts under N tokens (or almost
+entirely cached there) are colocated, the others remote, whatever the load.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.core.workers import WorkerInfo
+from pdserve.router.policy import CachedHashSets, ColocationRule, cached_prefix_blocks, num_queued
+
+# Before any worker measured its prefill speed: a small model on a few CPU cores. Low on
+# purpose: a slow guess keeps prompts remote rather than stall a decode worker.
+DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
+# What the remote path adds to a prompt's TTFT when nothing queues: Admit, the Prefill
+# call, the KV hand-off's first layer (measured: 10-15 ms on loopback, docs/benchmarks.md).
+REMOTE_HOP_MS = 10.0
+DEFAULT_TTFT_TARGET_S = 0.25
+DEFAULT_TPOT_TARGET_S = 0.05
+MS = 1000.0
+
+
+class Placement(enum.StrEnum):
+    REMOTE = "remote"  # a prefill worker computes the prompt and ships its KV
+    COLOCATED = "colocated"  # the decode worker computes it: no transfer
+
+
+class Reason(enum.StrEnum):
+    """Why: `routing_decisions_total{reason}` and the span's `pdserve.placement.reason`."""
+
+    NO_PREFILL_WORKER = "no_prefill_worker"
+    REMOTE_MEETS_TTFT = "remote_meets_ttft"
+    DECODE_TPOT = "decode_tpot"  # colocating would push the decode step over the target
+    COLOCATED_FASTER = "colocated_faster"
+    REMOTE_FASTER = "remote_faster"
+    COLOCATE_BELOW = "colocate_below"  # the fixed threshold decided (--colocate-below)
+
+
+@dataclass(frozen=True, slots=True)
+class Targets:
+    """The router's latency targets (`--ttft-target`, `--tpot-target`), in seconds."""
+
+    ttft_s: float = DEFAULT_TTFT_TARGET_S
+    tpot_s: float = DEFAULT_TPOT_TARGET_S
+
+    def __post_init__(self) -> None:
+        if self.ttft_s <= 0 or self.tpot_s <= 0:
+            raise ValueError(f"targets must be > 0 s, got ttft {self.ttft_s}, tpot {self.tpot_s}")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """One worker as the decision sees it, for this prompt."""
+
+    address: str
+    num_queued: int  # requests running or waiting
+    queued_prefill_tokens: int
+    step_time_ms: float
+    cached_tokens: int  # of this prompt, in its prefix cache (as it last reported)
+
+    @classmethod
+    def of(cls, worker: WorkerInfo, cached_tokens: int) -> WorkerLoad:
+        return cls(
+            worker.address,
+            num_queued(worker),
+            worker.queued_prefill_tokens,
+            worker.step_time_ms,
+            cached_tokens,
+        )
+
+    def ttft_ms(self, num_prompt_tokens: int, rate: float) -> float:
+        """This prompt's wait for its first token here, remote hop aside."""
+        uncached = num_prompt_tokens - self.cached_tokens
+        ahead = min(self.queued_prefill_tokens, self.num_queued * uncached)
+        compute = (ahead + uncached) / rate * MS
+        if not self.num_queued:
+            return compute
+        # Busy: a step in progress, then the step this prompt joins, which the queued work
+        # fills to the token budget (a long prompt's next chunk): a whole step at least.
+        return self.step_time_ms / 2 + max(compute, self.step_time_ms)
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What the router knows now about one prompt's candidates."""
+
+    num_prompt_tokens: int
+    decode: WorkerLoad  # the decode worker chosen for the request
+    prefill: tuple[WorkerLoad, ...]  # the prefill candidates (healthy, not the decode one)
+    prefill_tokens_per_s: float  # measured; 0: no worker has yet
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    placement: Placement
+    reason: Reason
+    remote_ttft_ms: float  # nan: no prefill worker
+    colocated_ttft_ms: float
+    decode_step_ms: float  # the decode worker's step with this prompt's prefill in it
+    snapshot: Snapshot
+    targets: Targets
+
+    @property
+    def colocated(self) -> bool:
+        return self.placement is Placement.COLOCATED
+
+    def attributes(self) -> dict[str, object]:
+        """The decision and its inputs, as span attributes."""
+        s = self.snapshot
+        best = min(s.prefill, key=lambda w: w.queued_prefill_tokens, default=None)
+        return {
+            "pdserve.placement": self.placement.value,
+            "pdserve.placement.reason": self.reason.value,
+            "pdserve.placement.remote_ttft_ms": self.remote_ttft_ms,
+            "pdserve.placement.colocated_ttft_ms": self.colocated_ttft_ms,
+            "pdserve.placement.decode_step_ms": self.decode_step_ms,
+            "pdserve.placement.ttft_target_ms": self.targets.ttft_s * MS,
+            "pdserve.placement.tpot_target_ms": self.targets.tpot_s * MS,
+            "pdserve.placement.prompt_tokens": s.num_prompt_tokens,
+            "pdserve.placement.decode_cached_tokens": s.decode.cached_tokens,
+            "pdserve.placement.decode_queued_prefill_tokens": s.decode.queued_prefill_tokens,
+            "pdserve.placement.decode_running": s.decode.num_queued,
+            "pdserve.placement.decode_step_time_ms": s.decode.step_time_ms,
+            "pdserve.placement.prefill_queued_tokens": best.queued_prefill_tokens if best else 0,
+            "pdserve.placement.prefill_tokens_per_s": s.prefill_tokens_per_s,
+        }
+
+
+def decide(snapshot: Snapshot, targets: Targets, rule: ColocationRule | None = None) -> Decision:
+    """Remote or colocated for one prompt (the module docstring's rules); `rule`, when
+    enabled, is the fixed threshold that replaces them."""
+    s = snapshot
+    rate = s.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S
+    n = s.num_prompt_tokens
+    colocated_ms = s.decode.ttft_ms(n, rate)
+    remote_ms = min((w.ttft_ms(n, rate) + REMOTE_HOP_MS for w in s.prefill), default=float("nan"))
+    uncached = n - s.decode.cached_tokens
+    step_ms = s.decode.step_time_ms + (s.decode.queued_prefill_tokens + uncached) / rate * MS
+
+    def decision(placement: Placement, reason: Reason) -> Decision:
+        return Decision(placement, reason, remote_ms, colocated_ms, step_ms, s, targets)
+
+    if rule is not None and rule.enabled:
+        colocate = rule.should_colocate(n, s.decode.cached_tokens)
+        placement = Placement.COLOCATED if colocate else Placement.REMOTE
+        return decision(placement, Reason.COLOCATE_BELOW)
+    if not s.prefill:
+        return decision(Placement.COLOCATED, Reason.NO_PREFILL_WORKER)
+    if remote_ms <= targets.ttft_s * MS:
+        return decision(Placement.REMOTE, Reason.REMOTE_MEETS_TTFT)
+    if step_ms > targets.tpot_s * MS:
+        return decision(Placement.REMOTE, Reason.DECODE_TPOT)
+    if colocated_ms < remote_ms:
+        return decision(Placement.COLOCATED, Reason.COLOCATED_FASTER)
+    return decision(Placement.REMOTE, Reason.REMOTE_FASTER)
+
+
+class LiveColocation:
+    """The router's placement decision: its targets and fixed override, and the prefix-cache
+    sets it reads the workers' reports through (built once per report)."""
+
+    def __init__(self, targets: Targets, rule: ColocationRule | None = None):
+        self.targets, self.rule = targets, rule or ColocationRule()
+        self._hash_sets = CachedHashSets()
+
+    def decide(
+        self,
+        decode: WorkerInfo,
+        prefill: Sequence[WorkerInfo],
+        block_hashes: Sequence[str],
+        num_prompt_tokens: int,
+    ) -> Decision:
+        """Where to prefill a prompt whose decode worker is `decode`; `prefill` are the
+        prefill candidates (unhealthy ones, and `decode` itself, are left out)."""
+        candidates = [w for w in prefill if w.healthy and w.address != decode.address]
+        self._hash_sets.retain([decode, *candidates])
+        snapshot = Snapshot(
+            num_prompt_tokens,
+            self._load(decode, block_hashes, num_prompt_tokens),
+            tuple(self._load(w, block_hashes, num_prompt_tokens) for w in candidates),
+            max((w.prefill_tokens_per_s for w in (decode, *candidates)), default=0.0),
+        )
+        return decide(snapshot, self.targets, self.rule)
+
+    def _load(self, worker: WorkerInfo, hashes: Sequence[str], num_tokens: int) -> WorkerLoad:
+        blocks = cached_prefix_blocks(worker, hashes, self._hash_sets)
+        # the block holding the last token is always computed (the scheduler's rule)
+        cached = min(blocks * worker.block_size, max(num_tokens - 1, 0))
+        return WorkerLoad.of(worker, cached)

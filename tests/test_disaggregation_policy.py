@@ -1,0 +1,265 @@
+"""Where a prompt is prefilled, decided from live load: exact decisions on crafted snapshots,
+no servers (router/disaggregation.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from pdserve.api.v1 import router_pb2, router_pb2_grpc
+from pdserve.cluster.load import worker_load
+from pdserve.cluster.local import ClusterShape, LocalCluster
+from pdserve.core.block_hash import prompt_block_hashes
+from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.workers import WorkerInfo
+from pdserve.router.disaggregation import (
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    REMOTE_HOP_MS,
+    LiveColocation,
+    Placement,
+    Reason,
+    Snapshot,
+    Targets,
+    WorkerLoad,
+    decide,
+)
+from pdserve.router.policy import ColocationRule
+from pdserve.rpc.wire import sampling_params_to_proto
+from pdserve.telemetry.metrics import metrics_url
+
+RATE = 2000.0  # prefill tokens per second: 2 tokens per ms
+TARGETS = Targets(ttft_s=0.2, tpot_s=0.05)
+
+
+def load(
+    queued_tokens: int = 0, num_queued: int = 0, step_ms: float = 0.0, cached: int = 0
+) -> WorkerLoad:
+    return WorkerLoad("w", num_queued, queued_tokens, step_ms, cached)
+
+
+def snapshot(prompt: int, decode: WorkerLoad, *prefill: WorkerLoad, rate=RATE) -> Snapshot:
+    return Snapshot(prompt, decode, tuple(prefill), rate)
+
+
+# -- the estimates --------------------------------------------------------------------------
+
+
+def test_the_estimates_follow_the_documented_formulas():
+    decode = load(queued_tokens=20, num_queued=4, step_ms=16.0)
+    busy = load(queued_tokens=3000, num_queued=3, step_ms=400.0)
+    d = decide(snapshot(40, decode, busy), TARGETS)
+
+    # remote: half a step + max((min(3000, 3 * 40) + 40) / 2 per ms, a whole step) + the hop
+    assert d.remote_ttft_ms == pytest.approx(200 + 400 + REMOTE_HOP_MS)
+    # colocated: half a step + max((min(20, 4 * 40) + 40) / 2 per ms, a whole step)
+    assert d.colocated_ttft_ms == pytest.approx(8 + 30)
+    # the decode step with the prompt: 16 + (20 + 40) / 2
+    assert d.decode_step_ms == pytest.approx(46)
+
+
+def test_a_short_prompt_joining_a_busy_worker_waits_a_whole_step_for_its_first_token():
+    # The step it joins is filled to the token budget by the long prompt's next chunk:
+    # 40 tokens alone would take 20 ms, but their first token comes with the step's end.
+    behind_one_long = load(queued_tokens=1500, num_queued=1, step_ms=400.0)
+    d = decide(snapshot(40, load(), behind_one_long), TARGETS)
+    assert d.remote_ttft_ms == pytest.approx(200 + 400 + REMOTE_HOP_MS)
+    assert d.colocated
+
+
+def test_a_cached_prefix_counts_only_the_uncached_tokens():
+    d = decide(snapshot(100, load(cached=96), load(cached=0)), TARGETS)
+    assert d.colocated_ttft_ms == pytest.approx(2.0)  # 4 tokens at 2 per ms
+    assert d.remote_ttft_ms == pytest.approx(50 + REMOTE_HOP_MS)
+
+
+def test_without_a_measured_rate_the_conservative_default_stands():
+    d = decide(snapshot(100, load(), load(), rate=0.0), TARGETS)
+    assert d.colocated_ttft_ms == pytest.approx(100 / DEFAULT_PREFILL_TOKENS_PER_S * 1000)
+
+
+# -- the decisions --------------------------------------------------------------------------
+
+
+def test_a_quiet_prefill_pool_that_meets_the_ttft_target_gets_the_prompt():
+    d = decide(snapshot(40, load(), load()), TARGETS)
+    assert (d.placement, d.reason) == (Placement.REMOTE, Reason.REMOTE_MEETS_TTFT)
+
+
+def test_a_short_prompt_behind_long_prefills_is_colocated():
+    busy_pool = load(queued_tokens=6000, num_queued=4, step_ms=900.0)
+    d = decide(snapshot(40, load(num_queued=8, step_ms=15.0), busy_pool), TARGETS)
+    assert (d.placement, d.reason) == (Placement.COLOCATED, Reason.COLOCATED_FASTER)
+    assert d.colocated
+
+
+def test_a_long_prompt_is_not_colocated_even_when_the_pool_is_behind():
+    busy_pool = load(queued_tokens=6000, num_queued=4, step_ms=900.0)
+    d = decide(snapshot(1500, load(num_queued=8, step_ms=15.0), busy_pool), TARGETS)
+    assert (d.placement, d.reason) == (Placement.REMOTE, Reason.DECODE_TPOT)
+    assert d.decode_step_ms == pytest.approx(15 + 750)
+
+
+def test_colocated_prefill_already_queued_on_the_decode_worker_counts_against_its_step():
+    busy_pool = load(queued_tokens=6000, num_queued=4, step_ms=900.0)
+    alone = decide(snapshot(40, load(step_ms=15.0), busy_pool), TARGETS)
+    crowded = decide(
+        snapshot(40, load(queued_tokens=60, num_queued=2, step_ms=15.0), busy_pool), TARGETS
+    )
+    assert alone.colocated
+    assert (crowded.placement, crowded.reason) == (Placement.REMOTE, Reason.DECODE_TPOT)
+
+
+def test_when_neither_meets_the_ttft_target_the_faster_one_wins():
+    pool = load(queued_tokens=100, num_queued=1, step_ms=10.0)  # remote: 5 + 40 + 10 ms
+    slow_decode = load(queued_tokens=0, num_queued=2, step_ms=30.0)  # colocated: 15 + 30
+    tight = Targets(ttft_s=0.01, tpot_s=0.1)
+    d = decide(snapshot(40, slow_decode, pool), tight)
+    assert (d.placement, d.reason) == (Placement.COLOCATED, Reason.COLOCATED_FASTER)
+    slower_decode = load(queued_tokens=0, num_queued=2, step_ms=90.0)  # 45 + 90: slower
+    d = decide(snapshot(40, slower_decode, pool), Targets(ttft_s=0.01, tpot_s=0.2))
+    assert (d.placement, d.reason) == (Placement.REMOTE, Reason.REMOTE_FASTER)
+
+
+def test_the_best_of_several_prefill_workers_is_the_remote_estimate():
+    d = decide(snapshot(40, load(), load(queued_tokens=9000, num_queued=9), load()), TARGETS)
+    assert d.remote_ttft_ms == pytest.approx(20 + REMOTE_HOP_MS)
+    assert d.reason is Reason.REMOTE_MEETS_TTFT
+
+
+def test_no_prefill_worker_means_colocated():
+    d = decide(snapshot(4000, load()), TARGETS)
+    assert (d.placement, d.reason) == (Placement.COLOCATED, Reason.NO_PREFILL_WORKER)
+    assert math.isnan(d.remote_ttft_ms)
+
+
+def test_a_fixed_threshold_overrides_the_live_decision():
+    rule = ColocationRule(enabled=True, max_prompt_tokens=100)
+    busy_pool = load(queued_tokens=6000, num_queued=4, step_ms=900.0)
+    short = decide(snapshot(40, load(), load()), TARGETS, rule)  # live: remote
+    long = decide(snapshot(1500, load(), busy_pool), TARGETS, rule)
+    assert (short.placement, short.reason) == (Placement.COLOCATED, Reason.COLOCATE_BELOW)
+    assert (long.placement, long.reason) == (Placement.REMOTE, Reason.COLOCATE_BELOW)
+
+
+def test_targets_must_be_positive():
+    with pytest.raises(ValueError, match="targets"):
+        Targets(ttft_s=0.0)
+
+
+# -- from the workers' reports --------------------------------------------------------------
+
+
+def worker(address: str, role: str, **load_fields) -> WorkerInfo:
+    return WorkerInfo(worker_id=address, role=role, address=address, **load_fields)
+
+
+def test_live_colocation_reads_the_reports_and_the_cached_prefix_on_each_worker():
+    prompt = list(range(100, 164))  # 64 tokens: 4 blocks of 16, the last always computed
+    hashes = prompt_block_hashes(prompt, 16)
+    decode = worker("d:1", "decode", step_time_ms=15.0, running=3, cached_block_hashes=hashes)
+    busy = worker(
+        "p:1",
+        "prefill",
+        queued_prefill_tokens=6000,
+        running=1,
+        waiting=3,
+        step_time_ms=900.0,
+        prefill_tokens_per_s=RATE,
+    )
+    down = worker("p:2", "prefill", healthy=False)
+    d = LiveColocation(TARGETS).decide(decode, [busy, down, decode], hashes, len(prompt))
+
+    assert d.snapshot.decode.cached_tokens == 48
+    assert [w.address for w in d.snapshot.prefill] == ["p:1"]  # not the sick, not itself
+    assert d.snapshot.prefill_tokens_per_s == RATE
+    assert (d.placement, d.reason) == (Placement.COLOCATED, Reason.COLOCATED_FASTER)
+    attributes = d.attributes()
+    assert attributes["pdserve.placement"] == "colocated"
+    assert attributes["pdserve.placement.reason"] == "colocated_faster"
+    assert attributes["pdserve.placement.prefill_queued_tokens"] == 6000
+    assert attributes["pdserve.placement.decode_cached_tokens"] == 48
+
+
+# -- a real cluster: a busy prefill pool -------------------------------------------------------
+
+# enough long prompts that their queue outlasts the wait for the router to see it, even
+# on a quiet machine (at 4 tokens a step: 3,000 steps)
+LONG_PROMPT, NUM_LONG, SHORT_PROMPT = 1000, 12, 8
+# a heartbeat (1 s) and a discovery refresh (0.5 s): the router has seen a newer report
+ROUTER_SEES_REPORT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def busy_cluster(demo_model_dir, tmp_path_factory):
+    """A prefill and a decode worker computing 4 prompt tokens a step (so long prompts
+    queue for seconds), and a router aiming at TTFT <= 50 ms and TPOT <= 100 ms."""
+    with LocalCluster(
+        model=str(demo_model_dir),
+        shape=ClusterShape(prefill=1, decode=1),
+        run_dir=tmp_path_factory.mktemp("placement"),
+        worker_args=["--max-num-batched-tokens", "4"],
+        router_args=["--ttft-target", "0.05", "--tpot-target", "0.1"],
+        metrics=True,
+    ) as started:
+        yield started
+
+
+def generate_request(first_id: int, length: int) -> router_pb2.GenerateRequest:
+    prompt = [3 + (first_id + i) % 1000 for i in range(length)]  # within the vocabulary
+    return router_pb2.GenerateRequest(
+        token_ids=router_pb2.TokenIds(ids=prompt),
+        sampling=sampling_params_to_proto(SamplingParams(max_tokens=2, ignore_eos=True)),
+        request_id=f"req-{first_id}-{length}",
+    )
+
+
+async def placed(stub, request: router_pb2.GenerateRequest) -> router_pb2.RequestInfo:
+    """Run the request to its end; where the router put it."""
+    async for _ in stub.Generate(request, timeout=120):
+        pass
+    return await stub.GetRequest(router_pb2.GetRequestRequest(request_id=request.request_id))
+
+
+async def test_a_short_prompt_behind_long_prefills_is_colocated_and_a_long_one_is_not(
+    busy_cluster,
+):
+    [prefill] = [w for w in busy_cluster.workers if w.role == "prefill"]
+    async with grpc.aio.insecure_channel(busy_cluster.router_address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        longs = [
+            asyncio.create_task(placed(stub, generate_request(100 * i, LONG_PROMPT)))
+            for i in range(NUM_LONG)
+        ]
+        deadline = time.monotonic() + 30
+        while worker_load(prefill.address, "prefill").queued_prefill_tokens < LONG_PROMPT:
+            assert time.monotonic() < deadline, "the long prompts never queued"
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(ROUTER_SEES_REPORT_S)
+
+        short = await placed(stub, generate_request(7, SHORT_PROMPT))
+        late_long = await placed(stub, generate_request(11, LONG_PROMPT))
+        first_long = await longs[0]
+        await asyncio.gather(*longs)
+
+    assert short.prefill_worker == short.decode_worker  # colocated
+    assert late_long.prefill_worker == prefill.address != late_long.decode_worker
+    assert first_long.prefill_worker == prefill.address
+    with urllib.request.urlopen(metrics_url(busy_cluster.router.metrics_address)) as answer:
+        text = answer.read().decode()
+    assert _has_series(text, outcome="colocated", reason="colocated_faster")
+    assert _has_series(text, outcome="cache_miss", reason="decode_tpot")
+
+
+def _has_series(text: str, **labels: str) -> bool:
+    """Whether routing_decisions_total has a series with these labels and a count > 0."""
+    for line in text.splitlines():
+        if not line.startswith("pdserve:routing_decisions_total{"):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1]) > 0
+    return False
