@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pdserve.core.block_hash import prompt_block_hashes
@@ -78,6 +80,22 @@ def test_dispatches_the_snapshot_already_reflects_are_not_counted_again():
     assert (between.free_blocks, between.waiting) == (100 - 7, 1)
 
 
+def test_prompt_tokens_sent_since_a_report_join_the_workers_prefill_queue():
+    # What the remote-or-colocated decision reads between heartbeats: a long prompt just
+    # sent to a prefill worker is its queue before the worker's next report says so.
+    clock = Clock()
+    dispatches = RecentDispatches(clock=clock)
+    dispatches.record("p:1", num_tokens=1500)
+    clock.now += 0.5
+    dispatches.record("p:1", num_tokens=40)
+    reported = dataclasses.replace(prefill("p:1"), queued_prefill_tokens=100)
+    (before,) = dispatches.adjust([reported])
+    assert (before.queued_prefill_tokens, before.waiting) == (100 + 1540, 2)
+    saw_the_first = dataclasses.replace(reported, updated_at=1000.2)
+    (between,) = dispatches.adjust([saw_the_first])
+    assert between.queued_prefill_tokens == 100 + 40
+
+
 def test_old_dispatches_drop_out_after_the_horizon_and_others_are_untouched():
     clock = Clock()
     dispatches = RecentDispatches(horizon_s=2.0, clock=clock)
@@ -96,7 +114,7 @@ def test_thousands_of_dispatches_count_exactly_across_expiry_and_trimming():
     sent: list[tuple[float, int]] = []  # every dispatch to a:1, as (time, blocks)
     for i in range(6000):
         blocks = i % 7
-        dispatches.record("a:1", num_blocks=blocks)
+        dispatches.record("a:1", num_blocks=blocks, num_tokens=3 * blocks)
         sent.append((clock.now, blocks))
         clock.now += 0.001
         if i % 250 == 0:
@@ -105,6 +123,7 @@ def test_thousands_of_dispatches_count_exactly_across_expiry_and_trimming():
                 (seen,) = dispatches.adjust([decode("a:1", updated_at=snapshot_at)])
                 unseen = [b for at, b in sent if at > snapshot_at and at >= clock.now - 2.0]
                 assert (seen.waiting, seen.free_blocks) == (len(unseen), 100 - sum(unseen)), i
+                assert seen.queued_prefill_tokens == 3 * sum(unseen), i
 
 
 def test_a_clock_that_steps_back_never_hides_a_dispatch():

@@ -92,12 +92,13 @@ class _Sent:
     totals of their blocks, so what came after a snapshot is a bisection away, however
     many requests per second the router sends; and the block hashes they carried."""
 
-    __slots__ = ("times", "totals", "base", "start", "hashes", "_view")
+    __slots__ = ("times", "totals", "tokens", "base", "token_base", "start", "hashes", "_view")
 
     def __init__(self) -> None:
         self.times: list[float] = []
         self.totals: list[int] = []  # totals[i]: base + blocks of dispatches 0..i
-        self.base = 0  # blocks of the dispatches trimmed off the front
+        self.tokens: list[int] = []  # the same for the prompt tokens they bring to compute
+        self.base = self.token_base = 0  # blocks, tokens of the dispatches trimmed off
         self.start = 0  # dispatches before it are past the horizon
         self.hashes = _SentHashes()
         self._view: CachedHashes | None = None  # the last snapshot's view, for reuse
@@ -106,12 +107,13 @@ class _Sent:
     def is_empty(self) -> bool:
         return self.start == len(self.times) and not self.hashes.latest
 
-    def add(self, at: float, num_blocks: int, block_hashes: Sequence[str]) -> None:
+    def add(self, at: float, num_blocks: int, block_hashes: Sequence[str], num_tokens: int) -> None:
         # A wall clock may step back: keep the times sorted (a dispatch then counts as
         # a little later, never as seen before it was sent).
         at = max(at, self.times[-1]) if self.times else at
         self.times.append(at)
         self.totals.append((self.totals[-1] if self.totals else self.base) + num_blocks)
+        self.tokens.append((self.tokens[-1] if self.tokens else self.token_base) + num_tokens)
         if block_hashes:
             self.hashes.add(at, block_hashes)
 
@@ -119,17 +121,21 @@ class _Sent:
         self.start = bisect.bisect_left(self.times, before, self.start)
         if self.start > COMPACT_AFTER and self.start * 2 > len(self.times):
             self.base = self.totals[self.start - 1]
-            del self.times[: self.start], self.totals[: self.start]
+            self.token_base = self.tokens[self.start - 1]
+            del self.times[: self.start], self.totals[: self.start], self.tokens[: self.start]
             self.start = 0
         self.hashes.expire(before)
 
-    def since(self, at: float) -> tuple[int, int]:
-        """(how many, their blocks) dispatched after `at`, within the horizon."""
+    def since(self, at: float) -> tuple[int, int, int]:
+        """(how many, their blocks, their prompt tokens) dispatched after `at`, within the
+        horizon."""
         first = bisect.bisect_right(self.times, at, self.start)
         count = len(self.times) - first
         if not count:
-            return 0, 0
-        return count, self.totals[-1] - (self.totals[first - 1] if first else self.base)
+            return 0, 0, 0
+        blocks = self.totals[-1] - (self.totals[first - 1] if first else self.base)
+        tokens = self.tokens[-1] - (self.tokens[first - 1] if first else self.token_base)
+        return count, blocks, tokens
 
     def cached_view(self, reported: list[str]) -> list[str]:
         """`reported` with the dispatched hashes added; the same object until either
@@ -142,7 +148,7 @@ class _Sent:
         return view
 
     def adjusted(self, worker: WorkerInfo) -> WorkerInfo:
-        count, num_blocks = self.since(worker.updated_at)
+        count, num_blocks, num_tokens = self.since(worker.updated_at)
         cached = self.cached_view(worker.cached_block_hashes)
         if not count and cached is worker.cached_block_hashes:
             return worker
@@ -150,6 +156,7 @@ class _Sent:
             worker,
             waiting=worker.waiting + count,
             free_blocks=worker.free_blocks - num_blocks,
+            queued_prefill_tokens=worker.queued_prefill_tokens + num_tokens,
             cached_block_hashes=cached,
         )
 
@@ -170,18 +177,27 @@ class RecentDispatches:
         """Workers with dispatches remembered (departed ones are forgotten in time)."""
         return len(self._sent)
 
-    def record(self, address: str, num_blocks: int = 0, block_hashes: Sequence[str] = ()) -> None:
+    def record(
+        self,
+        address: str,
+        num_blocks: int = 0,
+        block_hashes: Sequence[str] = (),
+        num_tokens: int = 0,
+    ) -> None:
         """A request was just sent to ``address``.
 
         Args:
             num_blocks: KV blocks it will hold there.
             block_hashes: its prompt's hex block hashes (``prompt_block_hashes``), when
                 the worker computes the prompt and so will have them in its prefix cache.
+            num_tokens: the prompt tokens it brings the worker to compute (a prefill or a
+                colocated prompt): its queue as the next report will say, which the
+                remote-or-colocated decision reads between heartbeats.
         """
         sent = self._sent.get(address)
         if sent is None:
             sent = self._sent[address] = _Sent()
-        sent.add(self._clock(), num_blocks, block_hashes)
+        sent.add(self._clock(), num_blocks, block_hashes, num_tokens)
 
     def adjust(self, workers: Sequence[WorkerInfo]) -> list[WorkerInfo]:
         """``workers`` as they will report once they have seen what we sent since.

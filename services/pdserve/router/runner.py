@@ -284,7 +284,11 @@ class RequestRunner:
         for worker in prefills:
             events.on_prefill_worker(worker.address)
             # what the worker will hold in its prefix cache, before its next report says so
-            self.dispatches.record(worker.address, block_hashes=attempt.block_hashes)
+            self.dispatches.record(
+                worker.address,
+                block_hashes=attempt.block_hashes,
+                num_tokens=len(attempt.prompt),
+            )
             prefill = self._watched_prefill(worker.address, admission, attempt)
             try:
                 return await self._call("prefill", worker.address, attempt, prefill)
@@ -322,7 +326,10 @@ class RequestRunner:
         self, worker: WorkerInfo, attempt: Attempt, events: AttemptEvents, reason: str
     ) -> None:
         self.dispatches.record(
-            worker.address, attempt.num_blocks_needed, block_hashes=attempt.block_hashes
+            worker.address,
+            attempt.num_blocks_needed,
+            block_hashes=attempt.block_hashes,
+            num_tokens=len(attempt.prompt),
         )
         events.on_admitted(worker.address)
         events.on_prefill_worker(worker.address)
