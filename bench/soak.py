@@ -36,7 +36,7 @@ from pathlib import Path
 
 from pdserve.client import AsyncClient, PdserveError
 from pdserve.cluster.load import wait_idle, worker_load
-from pdserve.cluster.local import ClusterShape, LocalCluster, num_healthy_workers
+from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.cluster.supervisor import Backoff
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.demo_model import write_demo_model
@@ -45,6 +45,7 @@ SHORT_PROMPT = "A short question about the cluster, number {}"
 LONG_PROMPT = " ".join(["a longer prompt that fills several KV blocks"] * 24) + " {}"
 NUM_PROMPTS = 24  # distinct (prompt, sampling) pairs, each with its reference output
 FROZEN_FOR_S = 4.0
+RECOVERY_TIMEOUT_S = 120.0  # a restarted worker loads its model, slowly under load
 MIN_SAMPLES = 12  # a process's life shorter than this is not judged flat or not
 PROGRESS_TIMEOUT_S = 2.0  # the routers' --stream-progress-timeout (10 s by default)
 
@@ -135,21 +136,10 @@ def faults(cluster: LocalCluster) -> dict[str, Callable[[], None]]:
     }
 
 
-def wait_recovered(cluster: LocalCluster, timeout_s: float = 120.0) -> None:
+def wait_recovered(cluster: LocalCluster) -> None:
     """Until both routers route to every worker again (a restart loads the model)."""
     time.sleep(5.0)  # past the registry's TTL (3 s): a killed worker shows as gone first
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if all(
-                num_healthy_workers(address) == len(cluster.workers)
-                for address in cluster.router_addresses
-            ):
-                return
-        except Exception:  # a router or Redis still on its way back
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the cluster did not recover within {timeout_s:.0f} s")
+    cluster.wait_recovered(RECOVERY_TIMEOUT_S)
 
 
 def _proc_figures(pid: int) -> tuple[int, int]:

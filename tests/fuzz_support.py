@@ -87,6 +87,11 @@ def call_hostile(method: str, findings: Findings, call):
     return result
 
 
+def methods_of(*services) -> list[tuple[str, object]]:
+    """(service's full name, method descriptor) of every method of `services`."""
+    return [(service.full_name, method) for service in services for method in service.methods]
+
+
 def _as_is(data: bytes) -> bytes:
     return data
 

@@ -28,7 +28,7 @@ import pytest
 
 from pdserve.client import AsyncClient, Completion, PdserveError
 from pdserve.cluster.load import wait_idle
-from pdserve.cluster.local import ClusterShape, LocalCluster, num_healthy_workers
+from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.cluster.processes import ChildProcess
 from pdserve.cluster.supervisor import Backoff
 from pdserve.core.sampling_params import SamplingParams
@@ -123,19 +123,7 @@ def freeze(child: ChildProcess) -> Callable[[], None]:
 
 def wait_recovered(cluster: LocalCluster) -> None:
     """Until every child runs again and both routers route to all four workers."""
-    deadline = time.monotonic() + RECOVERY_TIMEOUT_S
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            for address in cluster.router_addresses:
-                healthy = num_healthy_workers(address)
-                if healthy < len(cluster.workers):
-                    raise RuntimeError(f"{address} routes to {healthy} workers")
-            return
-        except Exception as exc:  # a router or Redis still on its way back
-            last_error = exc
-            time.sleep(0.2)
-    raise AssertionError(f"the cluster did not recover: {last_error!r}")
+    cluster.wait_recovered(RECOVERY_TIMEOUT_S)
 
 
 @dataclass(frozen=True, slots=True)

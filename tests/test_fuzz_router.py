@@ -25,6 +25,7 @@ from fuzz_support import (
     call_hostile,
     call_with_raw_bytes,
     engine_idle,
+    methods_of,
     report,
     start_router,
     start_worker,
@@ -202,11 +203,10 @@ def test_kserve_model_infer(cluster, data):
     call_hostile("ModelInfer", FINDINGS, lambda: cluster.model_infer(request, timeout=5))
 
 
-SERVICES = (
+METHODS = methods_of(
     router_pb2.DESCRIPTOR.services_by_name["Router"],
     kserve_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"],
 )
-METHODS = [(s.full_name, m) for s in SERVICES for m in s.methods]
 
 
 @fuzz_settings(700)

@@ -23,6 +23,7 @@ from fuzz_support import (
     call_hostile,
     call_with_raw_bytes,
     engine_idle,
+    methods_of,
     report,
     start_worker,
     wait_for,
@@ -280,12 +281,11 @@ def test_hostile_kv_chunks_and_commits(worker, data):
 
 # -- raw bytes as every method's request -----------------------------------------------------
 
-SERVICES = (
+METHODS = methods_of(
     decode_pb2.DESCRIPTOR.services_by_name["Decode"],
     kv_transfer_pb2.DESCRIPTOR.services_by_name["KVTransfer"],
     prefill_pb2.DESCRIPTOR.services_by_name["Prefill"],
 )
-METHODS = [(s.full_name, m) for s in SERVICES for m in s.methods]
 
 
 @fuzz_settings(800)

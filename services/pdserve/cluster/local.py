@@ -273,6 +273,25 @@ class LocalCluster:
             time.sleep(0.1)
         raise RuntimeError(f"the router did not see all {count} workers in {REGISTRY_WAIT_S} s")
 
+    def wait_recovered(self, timeout_s: float = REGISTRY_WAIT_S) -> None:
+        """Until every router lists every worker healthy again: after a fault, with a
+        restarted router or Redis still on its way back. RuntimeError past `timeout_s`."""
+        deadline, last = time.monotonic() + timeout_s, "no answer yet"
+        while time.monotonic() < deadline:
+            try:
+                seen = [
+                    num_healthy_workers(address, api_key=self.api_key, credentials=self.credentials)
+                    for address in self.router_addresses
+                ]
+            except grpc.RpcError as exc:  # a router (or its Redis) not back yet
+                last = f"{exc.code().name}: {exc.details()}"
+            else:
+                if all(healthy >= len(self.workers) for healthy in seen):
+                    return
+                last = f"the routers see {seen} of {len(self.workers)} workers"
+            time.sleep(0.2)
+        raise RuntimeError(f"the cluster did not recover in {timeout_s:.0f} s: {last}")
+
     def stop(self) -> None:
         """Routers first (no new work), then workers in parallel; then Redis. A
         supervised cluster stops restarting first."""
