@@ -13,13 +13,16 @@ through a `grpc.aio` channel, HTTP through kept-alive connections.
    streams: about as little client work as the gRPC client does), target at most 1 ms;
    the same through `httpx` (what the `openai` package uses) shows what its layers add.
 2. Streaming throughput: 64 concurrent streams of long greedy generations (ignore_eos),
-   first over gRPC, then as SSE through `/v1/completions` (each stream on a lean
-   connection of its own); the router's CPU-seconds (every thread, from /proc) over each
-   window give its tokens per CPU-second (target for SSE: at least 10,000). An event
-   carries several tokens when its client fell behind (as a gRPC message does); the
-   tokens are counted from each stream's usage.
+   over gRPC and as SSE through `/v1/completions` (each stream on a lean connection of
+   its own), in windows that alternate between the sides (a b, b a: `--rounds` each);
+   the router's CPU-seconds (every thread, from /proc) over each side's windows give its
+   tokens per CPU-second (target for SSE: at least 10,000), and SSE's over gRPC's, from
+   one run, is the figure a loaded machine moves least. An event carries several tokens
+   when its client fell behind (as a gRPC message does); the tokens are counted from
+   each stream's usage. A request answered 503 before any token (on a loaded machine,
+   the router's Redis connect timing out) is retried, and the retries are printed.
 
-    .venv/bin/python bench/http_bench.py [--quick] [--model-dir DIR]
+    .venv/bin/python bench/http_bench.py [--quick] [--model-dir DIR] [--rounds N]
         [--stream-interval TOKENS] [--router-cpu-share FRACTION]
 """
 
@@ -35,6 +38,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -67,6 +71,8 @@ TTFT_TARGET_MS = 1.0
 SSE_TARGET_TOKENS_PER_CPU_S = 10_000
 COMPLETIONS_PATH = "/v1/completions"
 READ_BYTES = 1 << 16
+UNAVAILABLE = 503
+RETRY_AFTER_S = 0.2
 HTTP_PORT_SETTING = next(s for s in settings(RouterConfig) if s.field.name == "http_port")
 
 
@@ -111,6 +117,11 @@ async def httpx_events(client: httpx.AsyncClient, body: dict) -> AsyncIterator[b
                 yield payload
 
 
+class Unavailable(RuntimeError):
+    """A 503 before any event: the router could not start the request (on a loaded
+    machine, its Redis connect timing out); the stream is retried."""
+
+
 class LeanConnection:
     """One kept-alive HTTP/1.1 connection driven by `h11` alone: no pool, no middleware."""
 
@@ -147,7 +158,8 @@ class LeanConnection:
             elif isinstance(event, h11.EndOfMessage):
                 conn.start_next_cycle()
                 if status != 200:
-                    raise RuntimeError(f"HTTP {status}: {pending.decode(errors='replace')}")
+                    kind = Unavailable if status == UNAVAILABLE else RuntimeError
+                    raise kind(f"HTTP {status}: {pending.decode(errors='replace')}")
                 return
 
     def close(self) -> None:
@@ -216,24 +228,34 @@ def ttft_figures(via_grpc: list[float], via_lean: list[float], via_httpx: list[f
 async def sse_streams(address: str, w: Workload, num_requests: int, rng) -> tuple[int, int]:
     """Run num_requests streamed completions, w.relay_streams at a time, each stream on a
     lean connection of its own; (tokens, events with tokens) received."""
-    remaining, tokens, events = num_requests, 0, 0
+    remaining, tokens, events, retries = num_requests, 0, 0, 0
 
     async def stream() -> None:
-        nonlocal remaining, tokens, events
+        nonlocal remaining, tokens, events, retries
         conn = await LeanConnection.open(address)
         try:
             while remaining > 0:
                 remaining -= 1
                 body = completion_body(prompt(rng), w.relay_new_tokens, usage=True)
                 last = b""
-                async for last in conn.events(body):  # noqa: B007 (usage: the last)
-                    events += 1
+                try:
+                    async for last in conn.events(body):  # noqa: B007 (usage: the last)
+                        events += 1
+                except Unavailable:
+                    retries += 1
+                    if retries > num_requests:  # more than one per request: not a busy machine
+                        raise
+                    remaining += 1
+                    await asyncio.sleep(RETRY_AFTER_S)
+                    continue
                 tokens += json.loads(last)["usage"]["completion_tokens"]
                 events -= 1  # the usage event carries no token
         finally:
             conn.close()
 
     await asyncio.gather(*(stream() for _ in range(w.relay_streams)))
+    if retries:
+        print(f"  SSE: {retries} requests answered 503 before any token, retried")
     return tokens, events
 
 
@@ -244,47 +266,94 @@ async def grpc_streams(address: str, w: Workload, rng: random.Random) -> tuple[i
         return await relay_streams(stub, w.relay_streams, w.relay_requests, sampling, rng)
 
 
-def measure_throughput(router, w: Workload, rng: random.Random) -> dict[str, tuple]:
-    """Per side: (tokens, events or messages, router CPU-s, wall s), after a warm-up each."""
+@dataclass
+class Side:
+    """One side's throughput windows, summed: what it received and what the router spent."""
+
+    tokens: int = 0
+    messages: int = 0  # events or messages with tokens
+    cpu_s: float = 0.0  # the router's, every thread
+    wall_s: float = 0.0
+    per_window: list[float] = field(default_factory=list)  # tokens per router CPU-second
+
+    def add(self, tokens: int, messages: int, window: CpuWindow) -> None:
+        cpu_s = window.cpu_s["router"]
+        self.tokens, self.messages = self.tokens + tokens, self.messages + messages
+        self.cpu_s, self.wall_s = self.cpu_s + cpu_s, self.wall_s + window.wall_s
+        self.per_window.append(tokens / cpu_s)
+
+    @property
+    def per_cpu_s(self) -> float:
+        return self.tokens / self.cpu_s
+
+
+def measure_throughput(router, w: Workload, rounds: int, rng: random.Random) -> dict[str, Side]:
+    """Per side, its windows summed, after a warm-up each: the sides' windows alternate
+    (a b, b a, ...), `rounds` each, of w.relay_requests / rounds requests, so that a
+    machine whose load drifts weighs on both alike."""
     address = router.http_address
+    per_window = max(w.relay_streams, w.relay_requests // rounds)
+    grpc_w = replace(w, relay_requests=per_window)
     sides = {
-        "native gRPC": lambda: grpc_streams(router.address, w, rng),
-        "SSE (/v1/completions)": lambda: sse_streams(address, w, w.relay_requests, rng),
+        "native gRPC": lambda: grpc_streams(router.address, grpc_w, rng),
+        "SSE (/v1/completions)": lambda: sse_streams(address, w, per_window, rng),
     }
-    asyncio.run(sse_streams(address, w, w.relay_streams, rng))  # warm-up
-    results = {}
-    for name, run in sides.items():
-        with CpuWindow({"router": router.proc.pid}) as window:
-            tokens, messages = asyncio.run(run())
-        expected = w.relay_requests * w.relay_new_tokens
-        if tokens != expected:
-            raise RuntimeError(f"{name}: {tokens} tokens, expected {expected}")
-        results[name] = (tokens, messages, window.cpu_s["router"], window.wall_s)
+    asyncio.run(grpc_streams(router.address, replace(w, relay_requests=w.relay_streams), rng))
+    asyncio.run(sse_streams(address, w, w.relay_streams, rng))  # warm-ups
+
+    def window(name: str):
+        def run() -> tuple[int, int, CpuWindow]:
+            with CpuWindow({"router": router.proc.pid}) as cpu:
+                tokens, messages = asyncio.run(sides[name]())
+            if tokens != per_window * w.relay_new_tokens:
+                raise RuntimeError(f"{name}: {tokens} tokens, expected {per_window} streams' worth")
+            print(
+                f"  {name}: {tokens / cpu.cpu_s['router']:,.0f} tokens per router CPU-s; "
+                f"load average {load_average()}"
+            )
+            return tokens, messages, cpu
+
+        return run
+
+    runs = alternate(rounds, 0, *(window(name) for name in sides))
+    results = {name: Side() for name in sides}
+    for name, side_runs in zip(sides, runs, strict=True):
+        for tokens, messages, cpu in side_runs:
+            results[name].add(tokens, messages, cpu)
     return results
 
 
-def throughput_figures(results: dict[str, tuple], w: Workload) -> list[Figure]:
+def throughput_figures(results: dict[str, Side], w: Workload) -> list[Figure]:
     figures = []
-    for name, (tokens, messages, cpu_s, wall_s) in results.items():
-        per_cpu_s = tokens / cpu_s
+    for name, side in results.items():
         is_sse = name.startswith("SSE")
         figures += [
             Figure(
                 f"{name}: tokens per router CPU-second ({w.relay_streams} concurrent streams "
-                f"of {w.relay_new_tokens} tokens)",
-                f"{per_cpu_s:,.0f} tokens/s",
+                f"of {w.relay_new_tokens} tokens, {len(side.per_window)} windows)",
+                f"{side.per_cpu_s:,.0f} tokens/s",
                 f">= {SSE_TARGET_TOKENS_PER_CPU_S:,}" if is_sse else "-",
-                per_cpu_s >= SSE_TARGET_TOKENS_PER_CPU_S if is_sse else None,
+                side.per_cpu_s >= SSE_TARGET_TOKENS_PER_CPU_S if is_sse else None,
             ),
             Figure(
                 f"{name}: router CPU per token; tokens per event; router core use",
-                f"{cpu_s / tokens * 1e6:.1f} µs; {tokens / messages:.2f}; {cpu_s / wall_s:.0%}",
+                f"{side.cpu_s / side.tokens * 1e6:.1f} µs; {side.tokens / side.messages:.2f}; "
+                f"{side.cpu_s / side.wall_s:.0%}",
             ),
         ]
+    grpc_side, sse_side = results.values()
+    pairs = [s / g for g, s in zip(grpc_side.per_window, sse_side.per_window, strict=True)]
+    figures.append(
+        Figure(
+            "SSE / native gRPC tokens per router CPU-second, this run (per round)",
+            f"{sse_side.per_cpu_s / grpc_side.per_cpu_s:.2f}x "
+            f"({', '.join(f'{pair:.2f}' for pair in pairs)})",
+        )
+    )
     return figures
 
 
-def parse_args(argv: list[str] | None) -> tuple[Options, Path | None]:
+def parse_args(argv: list[str] | None) -> tuple[Options, Path | None, int]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small smoke version")
     parser.add_argument(
@@ -298,6 +367,13 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path | None]:
         "quota), so that it, not the workers, is the bottleneck",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        metavar="N",
+        help="throughput windows per side, alternating with the other side's (default 2)",
+    )
+    parser.add_argument(
         "--stream-interval",
         type=int,
         default=1,
@@ -306,11 +382,12 @@ def parse_args(argv: list[str] | None) -> tuple[Options, Path | None]:
     )
     args = parser.parse_args(argv)
     w = QUICK if args.quick else FULL
-    return Options(w, args.stream_interval, None, args.router_cpu_share), args.model_dir
+    options = Options(w, args.stream_interval, None, args.router_cpu_share)
+    return options, args.model_dir, args.rounds
 
 
 def main(argv: list[str] | None = None) -> int:
-    o, model_dir = parse_args(argv)
+    o, model_dir, rounds = parse_args(argv)
     w, rng, began = o.workload, random.Random(PROMPT_SEED), time.perf_counter()
     pin(os.getpid(), OTHERS_CORE)
     print(machine_line())
@@ -325,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                     ttfts = measure_ttft(router.address, router.http_address, w, rng)
                     share = o.router_cpu_share
                     with cpu_quota(router.proc.pid, share) if share else contextlib.nullcontext():
-                        results = measure_throughput(router, w, rng)
+                        results = measure_throughput(router, w, rounds, rng)
             finally:
                 router.stop(timeout_s=STOP_TIMEOUT_S)
     print(f"whole run: {time.perf_counter() - began:.0f} s; {window.others_line(NOISY_SHARE)}")

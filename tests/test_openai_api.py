@@ -4,6 +4,7 @@ with the native gRPC `Generate` of the same request as the oracle."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -119,6 +120,27 @@ async def test_chat_whole_and_streamed_equal_the_native_generate(cluster, chat_p
     assert "".join(chunk.choices[0].delta.content for chunk in content) == expected.text
     reasons = [chunk.choices[0].finish_reason for chunk in content]
     assert reasons[-1] == "length" and set(reasons[:-1]) <= {None}
+
+
+def test_a_stream_on_the_wire_is_data_events_then_usage_then_done(cluster, native):
+    expected = native.generate(PROMPT, NATIVE_GREEDY)
+    body = {"model": MODEL, "prompt": PROMPT, "stream": True, "ignore_eos": True}
+    body |= {"temperature": 0.0, "max_tokens": NUM_TOKENS}
+    body["stream_options"] = {"include_usage": True}
+    url = f"{cluster.openai_url}/completions"
+    with httpx.stream("POST", url, json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(response.iter_bytes())
+    *events, done, rest = raw.split(b"\n\n")
+    assert (done, rest) == (b"data: [DONE]", b"")  # every event ends in a blank line
+    assert all(e.startswith(b"data: {") and b"\n" not in e for e in events)
+    *chunks, last = [json.loads(e.removeprefix(b"data: ")) for e in events]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == NUM_TOKENS
+    assert all(chunk["usage"] is None and len(chunk["choices"]) == 1 for chunk in chunks)
+    assert len({(c["id"], c["created"], c["model"], c["object"]) for c in chunks + [last]}) == 1
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == expected.text
+    # one event per token delta (a slow reader may get several tokens in one)
+    assert 1 <= len(chunks) <= NUM_TOKENS
 
 
 def test_a_repeated_prompt_reports_its_cached_tokens(client):

@@ -4,6 +4,11 @@ It watches the connection while the generation runs: a client that leaves (befor
 first token or mid-stream) cancels the generation at once, which ends each of its router
 requests as cancelled and frees their KV blocks on every worker. Waiting for the next
 send to fail would leave a request with a long queue or prefill running for nobody.
+
+A stream's events are its hot path (one per token at stream interval 1): each is one
+`send` straight to the HTTP server's own (`ServerSend` keeps it in the scope; the
+layers between only note that a response started, and its start goes through them),
+and its end (the usage chunk, `[DONE]`, the end of the body) is one write.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import json
 from dataclasses import dataclass
 
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.gateways.openai.convert import RouterRequests
 from pdserve.gateways.openai.errors import ErrorReply, reply_for
@@ -29,6 +34,7 @@ SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),  # proxies (nginx) pass each event on at once
 ]
+SERVER_SEND = "pdserve.server_send"  # the scope's key for the HTTP server's own `send`
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +63,10 @@ class GenerationResponse(Response):
         self.caller, self.slot = caller, slot
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        run = self._stream if self.generation.stream else self._whole
-        work = asyncio.ensure_future(run(send))
+        if self.generation.stream:
+            work = asyncio.ensure_future(self._stream(send, scope.get(SERVER_SEND, send)))
+        else:
+            work = asyncio.ensure_future(self._whole(send))
         gone = asyncio.ensure_future(_disconnected(receive))
         try:
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -86,7 +94,8 @@ class GenerationResponse(Response):
         body = json.dumps(generation.format.whole(finals, routed.n), ensure_ascii=False)
         await _send_json(send, 200, body.encode())
 
-    async def _stream(self, send: Send) -> None:
+    async def _stream(self, send: Send, body_send: Send) -> None:
+        """The events; `body_send` writes the body once `send` has started the response."""
         generation, routed, chunks = self.generation, self.generation.routed, self.generation.format
         streams = ChoiceStreams(self.frontend, routed.requests, self.caller)
         try:
@@ -97,11 +106,11 @@ class GenerationResponse(Response):
                 return
             chunks.named_after(firsts[0].request_id)
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-            finals = await self._events(send, streams, firsts)
+            finals = await self._events(body_send, streams, firsts)
+            end = SSE_DONE
             if finals is not None and generation.include_usage:
-                await _send_body(send, chunks.usage_chunk(finals, routed.n))
-            await _send_body(send, SSE_DONE)
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                end = chunks.usage_chunk(finals, routed.n) + SSE_DONE
+            await body_send({"type": "http.response.body", "body": end, "more_body": False})
         finally:
             await streams.aclose()
 
@@ -110,16 +119,35 @@ class GenerationResponse(Response):
         stream broke off (an error event went out instead)."""
         chunks, routed = self.generation.format, self.generation.routed
         finals = list(firsts)
-        for index, message in enumerate(firsts):
-            await _send_body(send, chunks.chunk(index, message))
+        body = b"".join(chunks.chunk(index, message) for index, message in enumerate(firsts))
+        await send({"type": "http.response.body", "body": body, "more_body": True})
         try:
-            async for index, message in streams.rest():
-                finals[index] = message
-                await _send_body(send, chunks.chunk(index, message))
+            if (only := streams.only) is not None:
+                async for message in only:
+                    finals[0] = message
+                    body = chunks.chunk(0, message)
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+            else:
+                async for index, message in streams.rest():
+                    finals[index] = message
+                    body = chunks.chunk(index, message)
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
         except Exception as exc:  # mid-stream: the status went out, an error event says it
             await _send_body(send, sse_event(reply_for(exc, routed.names.of).body))
             return None
         return finals
+
+
+class ServerSend:
+    """ASGI middleware, outermost: keeps the HTTP server's `send` in the scope (under
+    `SERVER_SEND`), for a stream's events to skip the layers in between."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[SERVER_SEND] = send
+        await self.app(scope, receive, send)
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -6,6 +6,12 @@ choice's last message its finish reason. A message carries several tokens when t
 client fell behind (the router coalesces what waited), so an SSE event does too. The
 response's id is `chatcmpl-` or `cmpl-` and the router's request id of its first choice,
 so that the native API (`GetRequest`, logs, traces) finds the request.
+
+A chunk without logprobs is the most frequent thing the gateway writes (one per token
+at stream interval 1), so it is put together from bytes fixed per stream and choice
+(the envelope, the choice's opening, its close for each finish reason) around the one
+changing part, the text as a JSON string: byte for byte what encoding the chunk's dict
+gives, at a fraction of the cost.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from json.encoder import encode_basestring  # what _ENCODER does with a str
 
 from pdserve.api.v1 import common_pb2, router_pb2
 from pdserve.engine.tokenizer import Tokenizer
@@ -62,6 +69,8 @@ class ResponseFormat:
     id_prefix = ""
     object_name = ""  # of the whole response
     chunk_object_name = ""
+    # the choice's JSON after its text: `}` where the text is inside an object (a delta)
+    _text_end = b""
 
     def __init__(self, model: str, texts: TokenTexts, *, logprobs: bool, include_usage: bool):
         self.model, self.texts = model, texts
@@ -70,19 +79,35 @@ class ResponseFormat:
         self.response_id = self.id_prefix
 
         self._chunk_head, self._chunk_tail = b"", b""
+        self._opens: dict[int, bytes] = {}  # per choice: head and the choice up to its text
+        self._closes: dict[int, bytes] = {}  # per finish reason: what follows the text
 
     def named_after(self, request_id: str) -> None:
-        """Set the response's id; the chunks' envelope is encoded once, from then on."""
+        """Set the response's id; the chunks' fixed parts are encoded once, from then on."""
         self.response_id = self.id_prefix + request_id
         head = _ENCODER.encode(self._envelope(self.chunk_object_name, []))
         self._chunk_head = b"data: " + head.removesuffix("[]}").encode() + b"["
         # as OpenAI: with include_usage every chunk has `usage`, null but the last
         self._chunk_tail = b'],"usage":null}\n\n' if self.include_usage else b"]}\n\n"
+        self._opens.clear()
+        self._closes = {
+            reason: b"%s,%s}%s" % (self._text_end, _finish_fields(name), self._chunk_tail)
+            for reason, name in FINISH_REASON_NAMES.items()
+        }
 
     def chunk(self, index: int, message: router_pb2.GenerateResponse) -> bytes:
         """One event: the envelope around this message's choice (one per event)."""
-        choice = _ENCODER.encode(self._chunk_choice(index, message)).encode()
-        return self._chunk_head + choice + self._chunk_tail
+        if self.logprobs:
+            choice = _ENCODER.encode(self._chunk_choice(index, message)).encode()
+            return self._chunk_head + choice + self._chunk_tail
+        opening = self._opens.get(index) or self._chunk_opening(index)
+        text = encode_basestring(message.text).encode()
+        return opening + text + self._closes[message.finish_reason]
+
+    def _chunk_opening(self, index: int) -> bytes:
+        """The event's bytes before the choice's text (kept in `_opens` when they are the
+        same for the choice's later chunks)."""
+        raise NotImplementedError
 
     def usage_chunk(self, finals: Sequence[router_pb2.GenerateResponse], n: int) -> bytes:
         payload = self._envelope(self.chunk_object_name, [])
@@ -117,14 +142,28 @@ def _finish_reason(message: router_pb2.GenerateResponse) -> str | None:
     return FINISH_REASON_NAMES[message.finish_reason]
 
 
+def _finish_fields(name: str | None) -> bytes:
+    """A chunk's fields after its text when it has no logprobs."""
+    return b'"logprobs":null,"finish_reason":' + _ENCODER.encode(name).encode()
+
+
 class ChatFormat(ResponseFormat):
     id_prefix = "chatcmpl-"
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+    _text_end = b"}"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._started: set[int] = set()  # choices whose role went out (on their first chunk)
+
+    def _chunk_opening(self, index: int) -> bytes:
+        if index not in self._started:  # the role, on the choice's first chunk only
+            self._started.add(index)
+            return self._chunk_head + b'{"index":%d,"delta":{"role":"assistant","content":' % index
+        opening = self._chunk_head + b'{"index":%d,"delta":{"content":' % index
+        self._opens[index] = opening
+        return opening
 
     def _chunk_choice(self, index: int, message: router_pb2.GenerateResponse) -> dict:
         delta = {"content": message.text}
@@ -169,6 +208,11 @@ class CompletionFormat(ResponseFormat):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._text_offsets: dict[int, int] = {}  # per choice: where its next token starts
+
+    def _chunk_opening(self, index: int) -> bytes:
+        opening = self._chunk_head + b'{"index":%d,"text":' % index
+        self._opens[index] = opening
+        return opening
 
     def _chunk_choice(self, index: int, message: router_pb2.GenerateResponse) -> dict:
         return self._whole_choice(index, message)

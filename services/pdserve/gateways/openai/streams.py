@@ -51,6 +51,12 @@ class ChoiceStreams:
         firsts, self._readers = [task.result() for task in self._readers], []
         return firsts
 
+    @property
+    def only(self) -> Messages | None:
+        """The one stream when there is one (the usual case): its messages after the first
+        read straight from the frontend, one generator fewer per token than `rest`."""
+        return self._streams[0] if len(self._streams) == 1 else None
+
     async def rest(self) -> AsyncIterator[tuple[int, router_pb2.GenerateResponse]]:
         """(stream index, message) after the first ones, until every stream has ended."""
         if len(self._streams) == 1:
