@@ -12,8 +12,10 @@ variable, so nothing is installed there. Only one side works at a time.
 1. Relay: windows (half the router bench's requests each) of concurrent streams of long
    greedy generations, the sides in turn (a b, b a, ...) so that the machine's drift
    lands on both. Per side: the router's CPU
-   per token (every thread of it: the span exporter's included), the whole cluster's CPU
-   per token (router, workers, Redis), and wall tokens/s.
+   per token (every thread of it: the span exporter's included), split into its event
+   loop's thread and its other threads (the batch span processor's, which encodes and
+   exports, and gRPC's), the whole cluster's CPU per token (router, workers, Redis), and
+   wall tokens/s.
 2. TTFT: short requests one at a time, alternating sides request by request; p50 per side.
 
     .venv/bin/python bench/tracing_bench.py [--quick] [--sampler-ratio R] [--control]
@@ -60,6 +62,23 @@ from pdserve.bench.machine import CpuWindow, load_average, pin
 
 HEADER = ("metric", "traced", "untraced", "traced / untraced", "target", "met")
 TTFT_TOKENS = 4
+TTFT_TARGET_MS = 1.0  # what tracing may add to TTFT p50 (issue 11)
+
+
+def thread_cpu_s(pid: int) -> tuple[float, float]:
+    """CPU-seconds of a process's main thread (a router's event loop) and of its other
+    threads together, from the scheduler's nanosecond counters (/proc/PID/task/*/schedstat)."""
+    main = others = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            run_ns = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # the thread ended meanwhile
+            continue
+        if int(tid) == pid:
+            main = run_ns
+        else:
+            others += run_ns
+    return main / 1e9, others / 1e9
 
 
 class SpanSink(trace_service_pb2_grpc.TraceServiceServicer):
@@ -111,18 +130,26 @@ class Side:
     tokens: int = 0
     wall_s: float = 0.0
     router_cpu_s: float = 0.0
+    router_loop_cpu_s: float = 0.0  # its main thread: the event loop
+    router_others_cpu_s: float = 0.0  # its other threads: span exporter, gRPC
     cluster_cpu_s: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
 
     def relay_window(self, w: Workload, rng: random.Random) -> None:
         num_requests = w.relay_requests // 2
+        loop0, others0 = thread_cpu_s(self.pids["router"])
         with CpuWindow(self.pids) as window:
             tokens, _ = asyncio.run(self.streams(w, num_requests, rng))
+        loop1, others1 = thread_cpu_s(self.pids["router"])
         if tokens != num_requests * w.relay_new_tokens:
             raise RuntimeError(f"{self.name}: relayed {tokens} tokens")
         self.tokens += tokens
         self.wall_s += window.wall_s
-        self.router_cpu_s += window.cpu_s["router"]
+        # the router's threads from their nanosecond counters (its process's clock ticks
+        # are 10 ms apart), so that the whole and its two parts add up
+        self.router_loop_cpu_s += loop1 - loop0
+        self.router_others_cpu_s += others1 - others0
+        self.router_cpu_s = self.router_loop_cpu_s + self.router_others_cpu_s
         # not this process: it is the client, and the span sink (a collector runs elsewhere)
         self.cluster_cpu_s += sum(cpu for name, cpu in window.cpu_s.items() if name != "client")
 
@@ -165,6 +192,20 @@ def figures(traced: Side, untraced: Side) -> list[Ratio]:
             higher_is_better=False,
         ),
         Ratio(
+            "  of which its event loop's thread",
+            per_token(traced, traced.router_loop_cpu_s),
+            per_token(untraced, untraced.router_loop_cpu_s),
+            "µs",
+            None,
+        ),
+        Ratio(
+            "  of which its other threads (span exporter, gRPC)",
+            per_token(traced, traced.router_others_cpu_s),
+            per_token(untraced, untraced.router_others_cpu_s),
+            "µs",
+            None,
+        ),
+        Ratio(
             "cluster CPU per token (router, workers, Redis)",
             per_token(traced, traced.cluster_cpu_s),
             per_token(untraced, untraced.cluster_cpu_s),
@@ -187,6 +228,15 @@ def figures(traced: Side, untraced: Side) -> list[Ratio]:
             None,
         ),
     ]
+
+
+def traced_variables(endpoint: str, sampler_ratio: float | None) -> dict[str, str]:
+    """The traced side's OTEL_* variables: export to `endpoint`, every request or a ratio."""
+    variables = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
+    if sampler_ratio is not None:
+        variables["OTEL_TRACES_SAMPLER"] = "parentbased_traceidratio"
+        variables["OTEL_TRACES_SAMPLER_ARG"] = str(sampler_ratio)
+    return variables
 
 
 def start_side(stack, name: str, variables: dict[str, str], o: Options, tmp: Path) -> Side:
@@ -233,12 +283,13 @@ def main(argv: list[str] | None = None) -> int:
         span_sink() as (endpoint, sink),
         contextlib.ExitStack() as stack,
     ):
-        traced_env = {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}
-        if args.sampler_ratio is not None:
-            traced_env["OTEL_TRACES_SAMPLER"] = "parentbased_traceidratio"
-            traced_env["OTEL_TRACES_SAMPLER_ARG"] = str(args.sampler_ratio)
-        traced = start_side(stack, "traced", traced_env, o, Path(tmp))
-        untraced = start_side(stack, "untraced", {}, o, Path(tmp))
+        traced_env = {} if args.control else traced_variables(endpoint, args.sampler_ratio)
+        if args.untraced_first:
+            untraced = start_side(stack, "untraced", {}, o, Path(tmp))
+            traced = start_side(stack, "traced", traced_env, o, Path(tmp))
+        else:
+            traced = start_side(stack, "traced", traced_env, o, Path(tmp))
+            untraced = start_side(stack, "untraced", {}, o, Path(tmp))
         sides = [traced, untraced]
         w = o.workload
         for side in sides:  # warm-up, untimed
@@ -255,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     first = "untraced" if args.untraced_first else "traced"
     print(f"traced side: {sampled}; started first: {first}; {windows} relay windows per side")
     print_table(HEADER, figures(traced, untraced))
+    added_ms = (statistics.median(traced.ttft_s) - statistics.median(untraced.ttft_s)) * 1e3
+    print(f"TTFT p50 added by tracing: {added_ms:+.2f} ms (target: at most {TTFT_TARGET_MS:g} ms)")
     return 0
 
 

@@ -50,12 +50,22 @@ class Milestones(Protocol):
     first_token_at: float
 
 
+PLACEMENT_EVENT = "pdserve.placement"
+# What the event keeps of the decision's attributes: the decision. Its inputs (the
+# estimates, targets and reports it weighed) are attributes of the `route decode` span,
+# which the runner opens around it; a second copy here cost every traced request about
+# 15 attributes to record and to export, for nothing a reader could not find one level up.
+PLACEMENT_EVENT_ATTRIBUTES = (PLACEMENT_EVENT, "pdserve.placement.reason")
+
+
 def placement_event(attributes: dict[str, object]) -> None:
     """Where the router prefills the request and why (router/disaggregation.py), as an
-    event on the current span: the request's, where the runner decides."""
+    event on the current span (the request's, where the runner decides): the placement and
+    its reason, of the decision's `attributes`."""
     span = trace.get_current_span()
     if span.is_recording():
-        span.add_event("pdserve.placement", attributes)
+        kept = {k: attributes[k] for k in PLACEMENT_EVENT_ATTRIBUTES if k in attributes}
+        span.add_event(PLACEMENT_EVENT, kept)
 
 
 def request_attributes(sampling: common_pb2.SamplingParams, model: str) -> dict[str, object]:
@@ -110,9 +120,12 @@ class RequestTelemetry:
     ):
         self.request_id, self.model, self.prompt_tokens = request_id, model, prompt_tokens
         # The current context is the caller's trace when its call carried one (rpc_errors).
-        self.span = tracing.start_span(f"{OPERATION} {model}", request_id, kind=SpanKind.SERVER)
-        if self.span.is_recording():
-            self.span.set_attributes(request_attributes(sampling, model))
+        # The attributes go in at the start (built only when tracing is on): the sampler
+        # sees them, and the span copies them once.
+        attributes = request_attributes(sampling, model) if tracing.enabled() else None
+        self.span = tracing.start_span(
+            f"{OPERATION} {model}", request_id, kind=SpanKind.SERVER, attributes=attributes
+        )
         self._last_message_at = 0.0  # time.monotonic() of the previous message; 0.0: none
         self._ended = False
 

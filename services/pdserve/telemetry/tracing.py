@@ -24,12 +24,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
+from opentelemetry.util.types import AttributeValue
 
 TRACER_NAME = "pdserve"
 REQUEST_ID = "pdserve.request_id"  # on every span of a request: find its trace from its id
@@ -145,42 +146,73 @@ def start_span(
     *,
     kind: SpanKind = SpanKind.INTERNAL,
     parent: otel_context.Context | None = None,
+    attributes: Mapping[str, AttributeValue] | None = None,
 ) -> Span:
-    """A span of request `request_id`, child of `parent` (None: of the current span); the
-    caller ends it. With tracing off, a span that records nothing and costs nothing."""
+    """A span of request `request_id`, child of `parent` (None: of the current span), with
+    `attributes` from its start (one copy into the span, where `set_attributes` after the
+    start would make another); the caller ends it. With tracing off, a span that records
+    nothing and costs nothing."""
     tracer = _state.tracer
     if tracer is None:
         return INVALID_SPAN
-    return tracer.start_span(name, context=parent, kind=kind, attributes={REQUEST_ID: request_id})
+    given = {REQUEST_ID: request_id, **attributes} if attributes else {REQUEST_ID: request_id}
+    return tracer.start_span(name, context=parent, kind=kind, attributes=given)
 
 
 def span(
-    name: str, request_id: str, *, kind: SpanKind = SpanKind.INTERNAL
+    name: str,
+    request_id: str,
+    *,
+    kind: SpanKind = SpanKind.INTERNAL,
+    attributes: Mapping[str, AttributeValue] | None = None,
 ) -> contextlib.AbstractContextManager[Span]:
     """A span around a `with` block and current inside it, so that calls made there carry
     it; an exception out of the block marks it failed (`set_error`). With tracing off, a
     shared no-op: the block gets a span that records nothing."""
     if _state.tracer is None:
         return _NO_SPAN
-    return _current_span(name, request_id, kind)
+    return _CurrentSpan(name, request_id, kind, attributes)
 
 
 _NO_SPAN = contextlib.nullcontext(INVALID_SPAN)
 
 
-@contextlib.contextmanager
-def _current_span(name: str, request_id: str, kind: SpanKind) -> Iterator[Span]:
-    # A span the sampler dropped records nothing but still goes current: its context
-    # (sampled=0) must reach the next hop, or that hop would start traces of its own.
-    current = start_span(name, request_id, kind=kind)
-    with trace.use_span(
-        current, end_on_exit=True, record_exception=False, set_status_on_exception=False
+class _CurrentSpan:
+    """`span`'s block: the span current inside it, ended after it.
+
+    A class rather than a generator (`contextlib.contextmanager` around the SDK's own
+    `use_span`, itself one): the router opens four of these per request, and the two
+    generator frames cost more than the context switch they wrap.
+    """
+
+    __slots__ = ("_start", "_span", "_token")
+
+    def __init__(
+        self,
+        name: str,
+        request_id: str,
+        kind: SpanKind,
+        attributes: Mapping[str, AttributeValue] | None,
     ):
+        self._start = (name, request_id, kind, attributes)  # the span starts on entry
+        self._span: Span = INVALID_SPAN
+        self._token: object | None = None
+
+    def __enter__(self) -> Span:
+        name, request_id, kind, attributes = self._start
+        self._span = start_span(name, request_id, kind=kind, attributes=attributes)
+        # A span the sampler dropped records nothing but still goes current: its context
+        # (sampled=0) must reach the next hop, or that hop would start traces of its own.
+        self._token = otel_context.attach(trace.set_span_in_context(self._span))
+        return self._span
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
         try:
-            yield current
-        except Exception as exc:
-            set_error(current, exc)
-            raise
+            if isinstance(exc, Exception):
+                set_error(self._span, exc)
+        finally:
+            otel_context.detach(self._token)
+            self._span.end()
 
 
 def kv_transfer_attributes(num_layers: int, num_chunks: int, num_bytes: int) -> dict[str, int]:
