@@ -68,6 +68,7 @@ from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.cluster.processes import ChildProcess, router_args, spawn, wait_ready
 from pdserve.engine.demo_model import write_demo_model
 from pdserve.router.config import DiscoveryKind
+from pdserve.router.disaggregation import PlacementMode
 from pdserve.router.handoff import ChannelPool, HandOff
 from pdserve.rpc.wire import sampling_params_to_proto
 from pdserve.state.redis_server import PrivateRedis
@@ -146,6 +147,8 @@ class Processes:
             decode=[d.address for d in decodes],
             max_inflight=ROUTER_MAX_INFLIGHT,
             stream_interval=o.stream_interval,
+            # the disaggregated path is what is measured: every prompt crosses over
+            prefill_placement=PlacementMode.REMOTE,
         )
         profiled = o.profile is not None and name == "router-relay"
         python_args = ["-m", "cProfile", "-o", str(o.profile)] if profiled else []

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import redis
 
 from pdserve.state.redis_server import redis_url as _redis_url
+
+# The suite's routers send every prompt to the prefill pool (plain disaggregation), so that
+# its short test prompts take the KV path they test; by default a router prefills a short
+# prompt on its decode worker when that is faster. The live decision's own tests ask for it
+# (`--prefill-placement live`: tests/test_disaggregation_policy.py). Children inherit it.
+os.environ.setdefault("PDSERVE_PREFILL_PLACEMENT", "remote")
 
 
 @pytest.fixture(scope="session")

@@ -228,8 +228,10 @@ def start_router(servers: InProcessServers, model_dir, redis_url: str, **setting
     """A router as `pdserve router` runs it (its options and interceptors), on port 0,
     with static discovery."""
     from pdserve.router.config import DiscoveryKind, RouterConfig
+    from pdserve.router.disaggregation import PlacementMode
     from pdserve.router.server import RouterApp, server_options
 
+    settings.setdefault("prefill_placement", PlacementMode.REMOTE)  # fuzz the KV path too
     config = RouterConfig(
         model=str(model_dir), redis_url=redis_url, discovery=DiscoveryKind.STATIC, **settings
     )

@@ -17,11 +17,14 @@ from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.workers import WorkerInfo
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.router.config import RouterConfig
 from pdserve.router.disaggregation import (
     DEFAULT_PREFILL_TOKENS_PER_S,
     REMOTE_HOP_MS,
     LiveColocation,
     Placement,
+    PlacementMode,
     Reason,
     Snapshot,
     Targets,
@@ -31,15 +34,21 @@ from pdserve.router.disaggregation import (
 from pdserve.router.policy import ColocationRule
 from pdserve.rpc.wire import sampling_params_to_proto
 from pdserve.telemetry.metrics import metrics_url
+from pdserve.worker.engine_loop import StepStats
 
 RATE = 2000.0  # prefill tokens per second: 2 tokens per ms
 TARGETS = Targets(ttft_s=0.2, tpot_s=0.05)
 
 
 def load(
-    queued_tokens: int = 0, num_queued: int = 0, step_ms: float = 0.0, cached: int = 0
+    queued_tokens: int = 0,
+    num_queued: int = 0,
+    step_ms: float = 0.0,
+    cached: int = 0,
+    budget: int = 0,
+    shortest_output: int = 0,
 ) -> WorkerLoad:
-    return WorkerLoad("w", num_queued, queued_tokens, step_ms, cached)
+    return WorkerLoad("w", num_queued, queued_tokens, step_ms, cached, budget, shortest_output)
 
 
 def snapshot(prompt: int, decode: WorkerLoad, *prefill: WorkerLoad, rate=RATE) -> Snapshot:
@@ -50,25 +59,35 @@ def snapshot(prompt: int, decode: WorkerLoad, *prefill: WorkerLoad, rate=RATE) -
 
 
 def test_the_estimates_follow_the_documented_formulas():
-    decode = load(queued_tokens=20, num_queued=4, step_ms=16.0)
-    busy = load(queued_tokens=3000, num_queued=3, step_ms=400.0)
+    decode = load(queued_tokens=20, num_queued=4, step_ms=16.0, shortest_output=31)
+    busy = load(queued_tokens=3000, num_queued=3, step_ms=100.0, budget=512)
     d = decide(snapshot(40, decode, busy), TARGETS)
 
-    # remote: half a step + max((min(3000, 3 * 40) + 40) / 2 per ms, a whole step) + the hop
-    assert d.remote_ttft_ms == pytest.approx(200 + 400 + REMOTE_HOP_MS)
-    # colocated: half a step + max((min(20, 4 * 40) + 40) / 2 per ms, a whole step)
+    # remote: half of max(a step, a full 512-token step) + max(a step, (min(3000, 3 * 40)
+    # + 40) / 2 per ms, the 512 tokens of the step it joins / 2 per ms) + the hop
+    assert d.remote_ttft_ms == pytest.approx(256 / 2 + 256 + REMOTE_HOP_MS)
+    # colocated (no budget reported): half a step + max(a step, (min(20, 4 * 40) + 40) / 2)
     assert d.colocated_ttft_ms == pytest.approx(8 + 30)
-    # the decode step with the prompt: 16 + (20 + 40) / 2
-    assert d.decode_step_ms == pytest.approx(46)
+    # the stall: (20 + 40) / 2; TPOT: the step + the stall over 31 - 1 tokens
+    assert d.decode_stall_ms == pytest.approx(30)
+    assert d.decode_tpot_ms == pytest.approx(16 + 30 / 30)
 
 
-def test_a_short_prompt_joining_a_busy_worker_waits_a_whole_step_for_its_first_token():
+def test_a_short_prompt_joining_a_busy_worker_waits_a_whole_chunk_for_its_first_token():
     # The step it joins is filled to the token budget by the long prompt's next chunk:
     # 40 tokens alone would take 20 ms, but their first token comes with the step's end.
+    # The worker's last step time says nothing (it was idle when it last measured one):
+    # its budget is what tells the step's length.
+    behind_one_long = load(queued_tokens=1500, num_queued=1, step_ms=0.0, budget=512)
+    d = decide(snapshot(40, load(), behind_one_long), TARGETS)
+    assert d.remote_ttft_ms == pytest.approx(256 / 2 + 256 + REMOTE_HOP_MS)
+    assert d.colocated
+
+
+def test_without_a_budget_the_step_time_stands_for_the_step_a_prompt_joins():
     behind_one_long = load(queued_tokens=1500, num_queued=1, step_ms=400.0)
     d = decide(snapshot(40, load(), behind_one_long), TARGETS)
     assert d.remote_ttft_ms == pytest.approx(200 + 400 + REMOTE_HOP_MS)
-    assert d.colocated
 
 
 def test_a_cached_prefix_counts_only_the_uncached_tokens():
@@ -85,9 +104,32 @@ def test_without_a_measured_rate_the_conservative_default_stands():
 # -- the decisions --------------------------------------------------------------------------
 
 
-def test_a_quiet_prefill_pool_that_meets_the_ttft_target_gets_the_prompt():
+def test_on_a_quiet_cluster_a_short_prompt_is_prefilled_where_it_is_decoded():
+    # the same compute either way, so the hop decides: no transfer, no second call
     d = decide(snapshot(40, load(), load()), TARGETS)
-    assert (d.placement, d.reason) == (Placement.REMOTE, Reason.REMOTE_MEETS_TTFT)
+    assert (d.placement, d.reason) == (Placement.COLOCATED, Reason.COLOCATED_FASTER)
+    assert d.remote_ttft_ms == pytest.approx(d.colocated_ttft_ms + REMOTE_HOP_MS)
+
+
+def test_a_prompt_whose_prefill_would_hold_up_the_decode_worker_goes_to_the_pool():
+    # 500 tokens at 2 per ms: 250 ms during which every prompt colocated there waits
+    d = decide(snapshot(500, load(), load()), TARGETS)
+    assert (d.placement, d.reason) == (Placement.REMOTE, Reason.DECODE_STALL)
+
+
+def test_placement_remote_sends_every_prompt_to_the_pool_while_it_has_a_worker():
+    d = decide(snapshot(40, load(), load()), TARGETS, mode=PlacementMode.REMOTE)
+    assert (d.placement, d.reason) == (Placement.REMOTE, Reason.ALWAYS_REMOTE)
+    alone = decide(snapshot(40, load()), TARGETS, mode=PlacementMode.REMOTE)
+    assert (alone.placement, alone.reason) == (Placement.COLOCATED, Reason.NO_PREFILL_WORKER)
+
+
+def test_a_fixed_threshold_replaces_placement_remote_too():
+    config = RouterConfig(
+        model="m", redis_url="redis://x", colocate_below=64, prefill_placement="remote"
+    )
+    d = config.colocation.decide(worker("d:1", "decode"), [worker("p:1", "prefill")], [], 40)
+    assert (d.placement, d.reason) == (Placement.COLOCATED, Reason.COLOCATE_BELOW)
 
 
 def test_a_short_prompt_behind_long_prefills_is_colocated():
@@ -98,37 +140,62 @@ def test_a_short_prompt_behind_long_prefills_is_colocated():
 
 
 def test_a_long_prompt_is_not_colocated_even_when_the_pool_is_behind():
+    # 750 ms of prefill on the decode worker: every prompt colocated there meanwhile
+    # would wait that long, past the 200 ms TTFT target
     busy_pool = load(queued_tokens=6000, num_queued=4, step_ms=900.0)
-    d = decide(snapshot(1500, load(num_queued=8, step_ms=15.0), busy_pool), TARGETS)
-    assert (d.placement, d.reason) == (Placement.REMOTE, Reason.DECODE_TPOT)
-    assert d.decode_step_ms == pytest.approx(15 + 750)
+    decode = load(num_queued=8, step_ms=15.0, shortest_output=1000)
+    d = decide(snapshot(1500, decode, busy_pool), TARGETS)
+    assert (d.placement, d.reason) == (Placement.REMOTE, Reason.DECODE_STALL)
+    assert d.decode_stall_ms == pytest.approx(750)
 
 
-def test_colocated_prefill_already_queued_on_the_decode_worker_counts_against_its_step():
+def test_colocated_prefill_already_queued_on_the_decode_worker_counts_against_its_stall():
     busy_pool = load(queued_tokens=6000, num_queued=4, step_ms=900.0)
     alone = decide(snapshot(40, load(step_ms=15.0), busy_pool), TARGETS)
     crowded = decide(
-        snapshot(40, load(queued_tokens=60, num_queued=2, step_ms=15.0), busy_pool), TARGETS
+        snapshot(40, load(queued_tokens=400, num_queued=2, step_ms=15.0), busy_pool), TARGETS
     )
     assert alone.colocated
-    assert (crowded.placement, crowded.reason) == (Placement.REMOTE, Reason.DECODE_TPOT)
+    assert (crowded.placement, crowded.reason) == (Placement.REMOTE, Reason.DECODE_STALL)
 
 
-def test_when_neither_meets_the_ttft_target_the_faster_one_wins():
+def test_the_stall_is_spread_over_the_shortest_output_running_on_the_decode_worker():
+    # 40 ms of prefill: 0.3 ms on each of 128 tokens, but 40 ms on a 2-token output's one
+    # interval, which takes its TPOT from 15 to 55 ms, past the 50 ms target
+    pool = load(queued_tokens=20, num_queued=1, step_ms=10.0)  # remote: 5 + 40 + hop
+    long_outputs = load(num_queued=3, step_ms=15.0, shortest_output=128)
+    short_output = load(num_queued=3, step_ms=15.0, shortest_output=2)
+    spread = decide(snapshot(80, long_outputs, pool), TARGETS)
+    felt = decide(snapshot(80, short_output, pool), TARGETS)
+    assert spread.colocated
+    assert spread.decode_tpot_ms == pytest.approx(15 + 40 / 127)
+    assert (felt.placement, felt.reason) == (Placement.REMOTE, Reason.DECODE_TPOT)
+    assert felt.decode_tpot_ms == pytest.approx(55)
+
+
+def test_past_the_tpot_target_a_prompt_the_pool_would_keep_waiting_is_still_colocated():
+    # the pool would miss the TTFT target too: one target is lost either way, and
+    # colocating costs the decoding requests 40 ms over their tokens, not a chunk's wait
+    busy_pool = load(queued_tokens=6000, num_queued=4, step_ms=900.0, budget=512)
+    short_output = load(num_queued=3, step_ms=15.0, shortest_output=2)
+    d = decide(snapshot(80, short_output, busy_pool), TARGETS)
+    assert (d.placement, d.reason) == (Placement.COLOCATED, Reason.COLOCATED_FASTER)
+
+
+def test_where_both_are_allowed_the_faster_one_wins():
     pool = load(queued_tokens=100, num_queued=1, step_ms=10.0)  # remote: 5 + 40 + 10 ms
     slow_decode = load(queued_tokens=0, num_queued=2, step_ms=30.0)  # colocated: 15 + 30
-    tight = Targets(ttft_s=0.01, tpot_s=0.1)
+    tight = Targets(ttft_s=0.03, tpot_s=0.1)  # the stall (20 ms) within it
     d = decide(snapshot(40, slow_decode, pool), tight)
     assert (d.placement, d.reason) == (Placement.COLOCATED, Reason.COLOCATED_FASTER)
     slower_decode = load(queued_tokens=0, num_queued=2, step_ms=90.0)  # 45 + 90: slower
-    d = decide(snapshot(40, slower_decode, pool), Targets(ttft_s=0.01, tpot_s=0.2))
+    d = decide(snapshot(40, slower_decode, pool), Targets(ttft_s=0.03, tpot_s=0.2))
     assert (d.placement, d.reason) == (Placement.REMOTE, Reason.REMOTE_FASTER)
 
 
 def test_the_best_of_several_prefill_workers_is_the_remote_estimate():
     d = decide(snapshot(40, load(), load(queued_tokens=9000, num_queued=9), load()), TARGETS)
     assert d.remote_ttft_ms == pytest.approx(20 + REMOTE_HOP_MS)
-    assert d.reason is Reason.REMOTE_MEETS_TTFT
 
 
 def test_no_prefill_worker_means_colocated():
@@ -140,10 +207,10 @@ def test_no_prefill_worker_means_colocated():
 def test_a_fixed_threshold_overrides_the_live_decision():
     rule = ColocationRule(enabled=True, max_prompt_tokens=100)
     busy_pool = load(queued_tokens=6000, num_queued=4, step_ms=900.0)
-    short = decide(snapshot(40, load(), load()), TARGETS, rule)  # live: remote
-    long = decide(snapshot(1500, load(), busy_pool), TARGETS, rule)
+    short = decide(snapshot(40, load(), busy_pool), TARGETS, rule)
+    middle = decide(snapshot(150, load(), load()), TARGETS, rule)  # live: colocated
     assert (short.placement, short.reason) == (Placement.COLOCATED, Reason.COLOCATE_BELOW)
-    assert (long.placement, long.reason) == (Placement.REMOTE, Reason.COLOCATE_BELOW)
+    assert (middle.placement, middle.reason) == (Placement.REMOTE, Reason.COLOCATE_BELOW)
 
 
 def test_targets_must_be_positive():
@@ -185,6 +252,20 @@ def test_live_colocation_reads_the_reports_and_the_cached_prefix_on_each_worker(
     assert attributes["pdserve.placement.decode_cached_tokens"] == 48
 
 
+def test_the_engine_reports_its_queued_prompt_tokens_and_its_shortest_running_output(
+    demo_model_dir,
+):
+    engine = LLMEngine.from_pretrained(demo_model_dir, max_num_batched_tokens=64)
+    for i, max_tokens in enumerate((9, 5, 7)):
+        engine.add_request([3 + i] * 30, SamplingParams(max_tokens=max_tokens))
+    stats = StepStats()
+    stats.observe_queues(engine.scheduler)
+    assert (stats.queued_prefill_tokens, stats.shortest_running_output) == (90, 0)
+    engine.step()  # 64 tokens: two prompts whole (they run), 4 of the third
+    stats.observe_queues(engine.scheduler)
+    assert (stats.queued_prefill_tokens, stats.shortest_running_output) == (26, 5)
+
+
 # -- a real cluster: a busy prefill pool -------------------------------------------------------
 
 # enough long prompts that their queue outlasts the wait for the router to see it, even
@@ -203,7 +284,10 @@ def busy_cluster(demo_model_dir, tmp_path_factory):
         shape=ClusterShape(prefill=1, decode=1),
         run_dir=tmp_path_factory.mktemp("placement"),
         worker_args=["--max-num-batched-tokens", "4"],
-        router_args=["--ttft-target", "0.05", "--tpot-target", "0.1"],
+        router_args=[
+            *("--prefill-placement", "live"),  # the suite's default is remote (conftest)
+            *("--ttft-target", "0.05", "--tpot-target", "0.1"),
+        ],
         metrics=True,
     ) as started:
         yield started
@@ -249,10 +333,11 @@ async def test_a_short_prompt_behind_long_prefills_is_colocated_and_a_long_one_i
     assert short.prefill_worker == short.decode_worker  # colocated
     assert late_long.prefill_worker == prefill.address != late_long.decode_worker
     assert first_long.prefill_worker == prefill.address
+    assert worker_load(prefill.address, "prefill").step_token_budget == 4
     with urllib.request.urlopen(metrics_url(busy_cluster.router.metrics_address)) as answer:
         text = answer.read().decode()
     assert _has_series(text, outcome="colocated", reason="colocated_faster")
-    assert _has_series(text, outcome="cache_miss", reason="decode_tpot")
+    assert _has_series(text, outcome="cache_miss", reason="decode_stall")
 
 
 def _has_series(text: str, **labels: str) -> bool:

@@ -8,6 +8,7 @@ the record's raw JSON, recomputed here without the planner's reader.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -109,8 +110,22 @@ def test_the_best_configuration_measures_a_pool_and_none_measures_one_that_alway
     assert measure(SWEEP + other, Pool.PREFILL, SLO_300_20).config == "prefill:1,decode:2"
     assert measure(SWEEP + other, Pool.DECODE, SLO_300_20).tokens_per_s == 40.0  # SWEEP's
     assert measure(SWEEP, Pool.PREFILL, SLO(50, 20)) is None
-    with pytest.raises(NoCapacityError, match="prefill pool met its TTFT SLO"):
+    with pytest.raises(NoCapacityError, match=r"prefill pool met its SLO \(TTFT <= 50 ms\)"):
         measure_pools(SWEEP, SLO(50, 20))
+
+
+def test_a_relative_ttft_slo_judges_each_request_by_its_own_kind():
+    # long prompts take 1 s to their first token, 3x their 0.4 s alone would allow 1.2 s;
+    # the 200 ms floor alone (an absolute SLO) would fail every one of them
+    long = dataclasses.replace(request(1.0, 0.01, prompt=2000), kind="long")
+    short = dataclasses.replace(request(0.15, 0.01), kind="short")
+    sweep = [run("prefill:1,decode:1", 1, [long, short] * 10)]
+    relative = SLO(200, 20, ttft_scale=3, solo_ttft_ms={"long": 400, "short": 50})
+    assert measure(sweep, Pool.PREFILL, relative).attainment == 1.0
+    assert measure(sweep, Pool.PREFILL, SLO(200, 20)) is None
+    assert relative.overridden(ttft_ms=2000, tpot_ms=None) == SLO(
+        2000, 20, None, relative.solo_ttft_ms
+    )
 
 
 # -- plans ----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import time
 
 import grpc
 import pytest
+from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -31,6 +32,7 @@ from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.router import server as router_server
 from pdserve.router.config import RouterConfig
+from pdserve.router.disaggregation import PlacementMode
 from pdserve.router.session import Progress
 from pdserve.rpc.wire import sampling_params_to_proto
 from pdserve.telemetry import tracing
@@ -113,6 +115,7 @@ class ServersThread:
             prefill=[prefill],
             decode=[decode],
             grace_s=1.0,
+            prefill_placement=PlacementMode.REMOTE,  # the whole path: prefill, KV, decode
         )
         self._loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
@@ -277,6 +280,39 @@ def test_the_request_span_has_the_genai_attributes_and_no_text(traced):
     for span in spans:  # prompts and outputs are never recorded
         for value in span.attributes.values():
             assert PROMPT not in str(value) and (len(output) < 8 or output not in str(value))
+
+
+def test_the_placement_is_an_event_of_the_request_span_and_its_inputs_are_on_route_decode(
+    traced,
+):
+    _, spans = traced
+    [event] = [e for e in one(spans, REQUEST_SPAN).events if e.name == "pdserve.placement"]
+    route = one(spans, "route decode").attributes
+    # the event says what was decided and why; what it weighed is one level down, once
+    assert dict(event.attributes) == {
+        "pdserve.placement": "remote",
+        "pdserve.placement.reason": route["pdserve.placement.reason"],
+    }
+    assert route["pdserve.placement"] == "remote"
+    assert route["pdserve.placement.prompt_tokens"] > 0
+
+
+def test_a_span_block_ends_its_span_restores_the_current_one_and_marks_errors(
+    tracer_provider, catcher
+):
+    outer = trace.get_current_span()
+    block = tracing.span("lookup", "block-1", attributes={"pdserve.worker": "w:1"})
+    with pytest.raises(KeyError), block as inner:
+        assert trace.get_current_span() is inner
+        raise KeyError("gone")
+    assert trace.get_current_span() is outer
+    [span] = catcher.trace(format_trace_id(inner.get_span_context().trace_id), {"lookup"})
+    assert span.end_time is not None and span.status.status_code == StatusCode.ERROR
+    assert dict(span.attributes) == {
+        "pdserve.request_id": "block-1",
+        "pdserve.worker": "w:1",
+        "error.type": "KeyError",
+    }
 
 
 def test_worker_spans_say_what_prefill_and_decode_did(traced):

@@ -97,6 +97,14 @@ class SLO:
             ttft_scale=scale,
         )
 
+    def overridden(self, ttft_ms: float | None, tpot_ms: float | None) -> SLO:
+        """This SLO with the bounds given instead: an absolute TTFT bound replaces a
+        relative one; None keeps what was."""
+        slo = (
+            self if ttft_ms is None else dataclasses.replace(self, ttft_ms=ttft_ms, ttft_scale=None)
+        )
+        return slo if tpot_ms is None else dataclasses.replace(slo, tpot_ms=tpot_ms)
+
     def ttft_text(self) -> str:
         """The TTFT bound in words: `TTFT <= 3x alone (>= 200 ms)` or `TTFT <= 8000 ms`."""
         if self.ttft_scale is None:

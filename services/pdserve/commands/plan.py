@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from pdserve.bench.metrics import SLO
 from pdserve.commands import EXIT_USAGE, fail
 from pdserve.planner.capacity import measure_pools
 from pdserve.planner.config import parse_shapes
@@ -55,7 +54,7 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         record = load_record(args.record, parse_shapes(args.shape))
-        slo = SLO(args.ttft_slo_ms or record.slo.ttft_ms, args.tpot_slo_ms or record.slo.tpot_ms)
+        slo = record.slo.overridden(args.ttft_slo_ms, args.tpot_slo_ms)
         capacities = measure_pools(record.runs, slo)
         load = _load(args, record)
         plan = make_plan(load, capacities, slo, args.headroom)

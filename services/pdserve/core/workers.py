@@ -38,10 +38,13 @@ class WorkerInfo:
     kv_address: str = ""
     protocol_version: int = PROTOCOL_VERSION  # what it speaks (core/protocol.py)
     # where to prefill (router/disaggregation.py): prompt tokens still to compute there,
-    # its recent step time, its recent prefill speed; 0: not measured (or an older worker)
+    # its recent step time, its recent prefill speed, its engine's tokens per step, the
+    # smallest max_tokens of its running requests; 0: not measured (or an older worker)
     queued_prefill_tokens: int = 0
     step_time_ms: float = 0.0
     prefill_tokens_per_s: float = 0.0
+    step_token_budget: int = 0
+    shortest_running_output: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

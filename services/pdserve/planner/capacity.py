@@ -32,7 +32,13 @@ class Pool(enum.StrEnum):
         return "TTFT" if self is Pool.PREFILL else "TPOT"
 
     def slo_ms(self, slo: SLO) -> float:
+        """The bound, or a relative TTFT bound's floor."""
         return slo.ttft_ms if self is Pool.PREFILL else slo.tpot_ms
+
+    def slo_text(self, slo: SLO) -> str:
+        if self is Pool.PREFILL:
+            return slo.ttft_text()
+        return f"TPOT <= {slo.tpot_ms:g} ms"
 
     def met(self, result: RequestResult, slo: SLO) -> bool:
         """Whether `result` met this pool's SLO (a failed request meets neither; one with a
@@ -40,7 +46,7 @@ class Pool(enum.StrEnum):
         if not result.ok:
             return False
         if self is Pool.PREFILL:
-            return result.ttft * MS <= slo.ttft_ms
+            return result.ttft * MS <= slo.ttft_ms_for(result.kind)
         return result.tpot is None or result.tpot * MS <= slo.tpot_ms
 
 
@@ -130,7 +136,7 @@ def measure_pools(
         if capacity is None:
             lowest = min(run.rate for run in runs)
             raise NoCapacityError(
-                f"the {pool} pool met its {pool.slo_name} SLO ({pool.slo_ms(slo):g} ms) for "
+                f"the {pool} pool met its SLO ({pool.slo_text(slo)}) for "
                 f"under {goal:.0%} of requests even at the lowest rate ({lowest:g} req/s) of "
                 f"every configuration: the record cannot say what one worker sustains; "
                 "bench lower rates or a looser SLO"

@@ -111,4 +111,4 @@ class PlannerConfig:
 
     def slo(self, recorded: SLO) -> SLO:
         """The SLOs given, each defaulting to the one the record was judged by."""
-        return SLO(self.ttft_slo_ms or recorded.ttft_ms, self.tpot_slo_ms or recorded.tpot_ms)
+        return recorded.overridden(self.ttft_slo_ms, self.tpot_slo_ms)

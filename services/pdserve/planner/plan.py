@@ -114,7 +114,11 @@ def plan_json(plan: Plan) -> dict:
             "prompt_tokens_per_s": plan.load.prompt_tokens_per_s,
             "output_tokens_per_s": plan.load.output_tokens_per_s,
         },
-        "slo": {"ttft_ms": plan.slo.ttft_ms, "tpot_ms": plan.slo.tpot_ms},
+        "slo": {
+            "ttft_ms": plan.slo.ttft_ms,
+            "ttft_scale": plan.slo.ttft_scale,
+            "tpot_ms": plan.slo.tpot_ms,
+        },
         "headroom": plan.headroom,
         "pools": {
             p.pool.value: {
@@ -144,7 +148,7 @@ def plan_table(plan: Plan) -> str:
             str(p.workers),
             f"{p.tokens_per_s:.1f}",
             ("" if p.capacity.bounded else ">= ") + f"{p.capacity.tokens_per_s:.1f}",
-            f"{p.pool.slo_name} <= {p.pool.slo_ms(plan.slo):g} ms",
+            p.pool.slo_text(plan.slo),
             f"{p.utilization:.0%}",
         )
         for p in plan.pools

@@ -77,7 +77,13 @@ def parse_record(data: object, path: str, shapes: Mapping[str, ClusterShape]) ->
     top = _mapping(data, path)
     slo_field = _mapping(_field(top, "slo", path), f"{path}: slo")
     try:
-        slo = SLO(float(slo_field["ttft_ms"]), float(slo_field["tpot_ms"]))
+        scale = slo_field.get("ttft_scale")
+        slo = SLO(
+            float(slo_field["ttft_ms"]),
+            float(slo_field["tpot_ms"]),
+            None if scale is None else float(scale),
+            {str(k): float(v) for k, v in (slo_field.get("solo_ttft_ms") or {}).items()},
+        )
         duration_s = float(top["duration_s"])
     except (KeyError, TypeError, ValueError) as exc:
         raise RecordError(f"{path}: slo or duration_s: {exc}") from exc

@@ -25,6 +25,7 @@ from pdserve.router.disaggregation import (
     DEFAULT_TPOT_TARGET_S,
     DEFAULT_TTFT_TARGET_S,
     LiveColocation,
+    PlacementMode,
     Targets,
 )
 from pdserve.router.handoff import DEFAULT_LEASE_TTL_S, Deadlines
@@ -112,6 +113,14 @@ class RouterConfig:
         default=DEFAULT_PREFILL_POLICY,
         metadata={"help": "how a prefill worker is chosen", "choices": sorted(PREFILL_POLICIES)},
     )
+    prefill_placement: PlacementMode = field(
+        default=PlacementMode.LIVE,
+        metadata={
+            "help": "where prompts are prefilled: live (per request, from live load and the "
+            "targets: short prompts on their decode worker, long ones on the prefill pool) "
+            "or remote (every prompt on the prefill pool)",
+        },
+    )
     colocate_below: int = field(
         default=0,
         metadata={
@@ -123,9 +132,9 @@ class RouterConfig:
     ttft_target_s: float = field(
         default=DEFAULT_TTFT_TARGET_S,
         metadata={
-            "help": "seconds to a first token the router aims for: a prompt the prefill pool "
-            "would keep waiting longer is prefilled on its decode worker, if that keeps "
-            "within --tpot-target",
+            "help": "seconds to a first token the router aims for: no prompt is prefilled on "
+            "a decode worker whose streams its prefill would hold up for longer; of the "
+            "two places left, the faster one",
             "flag": "ttft-target",
         },
     )
@@ -133,7 +142,8 @@ class RouterConfig:
         default=DEFAULT_TPOT_TARGET_S,
         metadata={
             "help": "seconds per output token the router keeps decode workers within: no "
-            "prompt is prefilled on a decode worker whose step it would make longer",
+            "prompt is prefilled on a decode worker whose requests' TPOT it would push "
+            "past this",
             "flag": "tpot-target",
         },
     )
@@ -336,4 +346,5 @@ class RouterConfig:
         rule = ColocationRule(
             enabled=self.colocate_below > 0, max_prompt_tokens=max(self.colocate_below, 1)
         )
-        return LiveColocation(Targets(self.ttft_target_s, self.tpot_target_s), rule)
+        targets = Targets(self.ttft_target_s, self.tpot_target_s)
+        return LiveColocation(targets, rule, PlacementMode(self.prefill_placement))

@@ -5,30 +5,50 @@ Disaggregation keeps long prefills off the decode workers (their TPOT), at the p
 hop, and of a queue at the prefill pool that every prompt joins: a short prompt arriving
 while the pool works through long ones waits for them. So the router estimates, from
 what the workers last reported (`WorkerInfo`: queued prefill tokens, step time, prefill
-speed, cached prefixes), the prompt's TTFT both ways and what prefilling it would do to
-the decode worker's step time, and decides:
+speed, step token budget, cached prefixes, the shortest running output), the prompt's
+TTFT both ways and what prefilling it would do to the decode worker, and decides:
 
 1. no prefill worker to send it to: colocated;
-2. the prefill pool meets the TTFT target: remote (the default shape, as on a quiet
-   cluster: the decode workers keep to decoding);
-3. prefilling on the decode worker would make its step longer than the TPOT target
-   (every request decoding there would feel it): remote;
-4. otherwise the faster of the two: colocated when the pool is behind.
+2. the prefill would hold the decode worker for longer than the TTFT target: remote
+   (every prompt colocated there meanwhile would wait behind it and miss its own): a
+   long prompt is never colocated;
+3. it would push the time per output token of the requests decoding there over the
+   TPOT target, and the pool meets the TTFT target: remote (when the pool misses it too,
+   one target is lost either way, and colocating loses less: its stall spread over the
+   running outputs, against a wait in the pool's queue for this prompt and for every
+   long one behind it);
+4. otherwise the faster of the two: a short prompt is prefilled where it is decoded (no
+   hop, no transfer) unless the decode worker is the busier, and never waits behind the
+   pool's long prefills.
+
+That is conditional disaggregation as Dynamo's and llm-d's routers do it (short prompts
+prefilled on the decode worker, long ones on the pool), with the threshold derived from
+the targets and the live load instead of fixed. `--prefill-placement remote` sends every
+prompt to the pool instead (plain disaggregation: every prefill's KV crosses over).
 
 The estimates, in milliseconds, with `rate` the prefill speed (tokens per second) the
 workers measured (the best any of them reports; DEFAULT_PREFILL_TOKENS_PER_S before any
-has), `U` a worker's uncached share of the prompt and `n` its queued requests:
+has), `U` a worker's uncached share of the prompt, `Q` its queued prefill tokens, `n` its
+queued requests, `B` its step token budget (the min(..., B) terms drop out when it does
+not report one) and `step` its recent step time:
 
-    ahead      = min(queued_prefill_tokens, n * U)   (least-work order: a longer prompt
-                                                      queued there goes after this one)
-    compute    = (ahead + U) / rate
-    busy       = step_time_ms / 2 + max(compute, step_time_ms)   (a step in progress, then
-                 the step the prompt joins: queued work fills it to the token budget, so a
-                 short prompt behind a long one's chunks waits a whole step for its token)
-    ttft       = busy when the worker has queued work, else compute
+    ahead      = min(Q, n * U)               (least-work order: a longer prompt queued
+                                              there goes after this one)
+    ttft       = (ahead + U) / rate          when nothing is queued there (n = 0), else
+                 max(step, min(Q, B) / rate) / 2           the step in progress, then
+               + max(step, (ahead + U) / rate, min(Q + U, B) / rate)
+                                             the step the prompt joins: queued work
+                                             fills it to the budget, so a short prompt
+                                             behind a long one's chunks waits a whole
+                                             chunk for its token
     remote     = min over prefill workers of ttft + REMOTE_HOP_MS
     colocated  = ttft on the decode worker
-    decode step with the prompt = step_time_ms + (queued_prefill_tokens + U) / rate
+    stall      = (Q + U) / rate on the decode worker: what its steps take longer, all
+                 together, to prefill the prompt and what is queued before it there
+    tpot       = step + stall / (S - 1), with S the shortest max_tokens running there
+                 (TPOT averages a request's whole output, so a longer step is shared by
+                 its tokens; the one with the fewest feels it most); step alone when
+                 nothing runs there
 
 A fixed `--colocate-below N` replaces the decision: prompts under N tokens (or almost
 entirely cached there) are colocated, the others remote, whatever the load.
@@ -46,12 +66,21 @@ from pdserve.router.policy import CachedHashSets, ColocationRule, cached_prefix_
 # Before any worker measured its prefill speed: a small model on a few CPU cores. Low on
 # purpose: a slow guess keeps prompts remote rather than stall a decode worker.
 DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
-# What the remote path adds to a prompt's TTFT when nothing queues: Admit, the Prefill
-# call, the KV hand-off's first layer (measured: 10-15 ms on loopback, docs/benchmarks.md).
-REMOTE_HOP_MS = 10.0
+# What the remote path adds to a prompt's TTFT when nothing queues: Admit (which waits for
+# the decode worker's step in progress), the Prefill call, the KV hand-off's first layer.
+# Measured: a 16-64-token prompt alone took 75 ms to its first token on a prefill and a
+# decode worker, 56 ms on one colocated worker (docs/benchmarks.md, issue 16).
+REMOTE_HOP_MS = 20.0
 DEFAULT_TTFT_TARGET_S = 0.25
 DEFAULT_TPOT_TARGET_S = 0.05
 MS = 1000.0
+
+
+class PlacementMode(enum.StrEnum):
+    """How the router places prefills (`--prefill-placement`)."""
+
+    LIVE = "live"  # decided per request from live load (`decide`)
+    REMOTE = "remote"  # every prompt on the prefill pool, while it has a worker
 
 
 class Placement(enum.StrEnum):
@@ -63,8 +92,9 @@ class Reason(enum.StrEnum):
     """Why: `routing_decisions_total{reason}` and the span's `pdserve.placement.reason`."""
 
     NO_PREFILL_WORKER = "no_prefill_worker"
-    REMOTE_MEETS_TTFT = "remote_meets_ttft"
-    DECODE_TPOT = "decode_tpot"  # colocating would push the decode step over the target
+    ALWAYS_REMOTE = "always_remote"  # --prefill-placement remote decided
+    DECODE_STALL = "decode_stall"  # colocating would hold the decode worker past the TTFT target
+    DECODE_TPOT = "decode_tpot"  # colocating would push TPOT there over the target
     COLOCATED_FASTER = "colocated_faster"
     REMOTE_FASTER = "remote_faster"
     COLOCATE_BELOW = "colocate_below"  # the fixed threshold decided (--colocate-below)
@@ -91,6 +121,8 @@ class WorkerLoad:
     queued_prefill_tokens: int
     step_time_ms: float
     cached_tokens: int  # of this prompt, in its prefix cache (as it last reported)
+    step_token_budget: int = 0  # tokens per engine step; 0: not reported (no bound)
+    shortest_running_output: int = 0  # the smallest max_tokens running there; 0: none
 
     @classmethod
     def of(cls, worker: WorkerInfo, cached_tokens: int) -> WorkerLoad:
@@ -100,18 +132,35 @@ class WorkerLoad:
             worker.queued_prefill_tokens,
             worker.step_time_ms,
             cached_tokens,
+            worker.step_token_budget,
+            worker.shortest_running_output,
         )
+
+    def uncached(self, num_prompt_tokens: int) -> int:
+        return num_prompt_tokens - self.cached_tokens
 
     def ttft_ms(self, num_prompt_tokens: int, rate: float) -> float:
         """This prompt's wait for its first token here, remote hop aside."""
-        uncached = num_prompt_tokens - self.cached_tokens
-        ahead = min(self.queued_prefill_tokens, self.num_queued * uncached)
+        uncached, queued = self.uncached(num_prompt_tokens), self.queued_prefill_tokens
+        ahead = min(queued, self.num_queued * uncached)
         compute = (ahead + uncached) / rate * MS
         if not self.num_queued:
             return compute
-        # Busy: a step in progress, then the step this prompt joins, which the queued work
-        # fills to the token budget (a long prompt's next chunk): a whole step at least.
-        return self.step_time_ms / 2 + max(compute, self.step_time_ms)
+        in_progress, joined = self.step_time_ms, 0.0  # a worker that reports no budget
+        if budget := self.step_token_budget:
+            in_progress = max(in_progress, min(queued, budget) / rate * MS)
+            joined = min(queued + uncached, budget) / rate * MS
+        return in_progress / 2 + max(self.step_time_ms, compute, joined)
+
+    def stall_ms(self, num_prompt_tokens: int, rate: float) -> float:
+        """How much longer its steps take, all together, to prefill the prompt here."""
+        return (self.queued_prefill_tokens + self.uncached(num_prompt_tokens)) / rate * MS
+
+    def tpot_ms(self, stall_ms: float) -> float:
+        """The time per output token of the requests running here with `stall_ms` added."""
+        if not self.shortest_running_output:
+            return self.step_time_ms
+        return self.step_time_ms + stall_ms / max(self.shortest_running_output - 1, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +179,8 @@ class Decision:
     reason: Reason
     remote_ttft_ms: float  # nan: no prefill worker
     colocated_ttft_ms: float
-    decode_step_ms: float  # the decode worker's step with this prompt's prefill in it
+    decode_stall_ms: float  # what prefilling the prompt there adds to the decode worker's steps
+    decode_tpot_ms: float  # TPOT of the requests decoding there with that stall
     snapshot: Snapshot
     targets: Targets
 
@@ -147,7 +197,8 @@ class Decision:
             "pdserve.placement.reason": self.reason.value,
             "pdserve.placement.remote_ttft_ms": self.remote_ttft_ms,
             "pdserve.placement.colocated_ttft_ms": self.colocated_ttft_ms,
-            "pdserve.placement.decode_step_ms": self.decode_step_ms,
+            "pdserve.placement.decode_stall_ms": self.decode_stall_ms,
+            "pdserve.placement.decode_tpot_ms": self.decode_tpot_ms,
             "pdserve.placement.ttft_target_ms": self.targets.ttft_s * MS,
             "pdserve.placement.tpot_target_ms": self.targets.tpot_s * MS,
             "pdserve.placement.prompt_tokens": s.num_prompt_tokens,
@@ -160,19 +211,24 @@ class Decision:
         }
 
 
-def decide(snapshot: Snapshot, targets: Targets, rule: ColocationRule | None = None) -> Decision:
+def decide(
+    snapshot: Snapshot,
+    targets: Targets,
+    rule: ColocationRule | None = None,
+    mode: PlacementMode = PlacementMode.LIVE,
+) -> Decision:
     """Remote or colocated for one prompt (the module docstring's rules); `rule`, when
-    enabled, is the fixed threshold that replaces them."""
+    enabled, is the fixed threshold that replaces them, and `mode` REMOTE does too."""
     s = snapshot
     rate = s.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S
     n = s.num_prompt_tokens
     colocated_ms = s.decode.ttft_ms(n, rate)
     remote_ms = min((w.ttft_ms(n, rate) + REMOTE_HOP_MS for w in s.prefill), default=float("nan"))
-    uncached = n - s.decode.cached_tokens
-    step_ms = s.decode.step_time_ms + (s.decode.queued_prefill_tokens + uncached) / rate * MS
+    stall_ms = s.decode.stall_ms(n, rate)
+    tpot_ms = s.decode.tpot_ms(stall_ms)
 
     def decision(placement: Placement, reason: Reason) -> Decision:
-        return Decision(placement, reason, remote_ms, colocated_ms, step_ms, s, targets)
+        return Decision(placement, reason, remote_ms, colocated_ms, stall_ms, tpot_ms, s, targets)
 
     if rule is not None and rule.enabled:
         colocate = rule.should_colocate(n, s.decode.cached_tokens)
@@ -180,21 +236,28 @@ def decide(snapshot: Snapshot, targets: Targets, rule: ColocationRule | None = N
         return decision(placement, Reason.COLOCATE_BELOW)
     if not s.prefill:
         return decision(Placement.COLOCATED, Reason.NO_PREFILL_WORKER)
-    if remote_ms <= targets.ttft_s * MS:
-        return decision(Placement.REMOTE, Reason.REMOTE_MEETS_TTFT)
-    if step_ms > targets.tpot_s * MS:
+    if mode is PlacementMode.REMOTE:
+        return decision(Placement.REMOTE, Reason.ALWAYS_REMOTE)
+    if stall_ms > targets.ttft_s * MS:
+        return decision(Placement.REMOTE, Reason.DECODE_STALL)
+    if tpot_ms > targets.tpot_s * MS and remote_ms <= targets.ttft_s * MS:
         return decision(Placement.REMOTE, Reason.DECODE_TPOT)
-    if colocated_ms < remote_ms:
+    if colocated_ms <= remote_ms:
         return decision(Placement.COLOCATED, Reason.COLOCATED_FASTER)
     return decision(Placement.REMOTE, Reason.REMOTE_FASTER)
 
 
 class LiveColocation:
-    """The router's placement decision: its targets and fixed override, and the prefix-cache
-    sets it reads the workers' reports through (built once per report)."""
+    """The router's placement decision: its targets, mode and fixed override, and the
+    prefix-cache sets it reads the workers' reports through (built once per report)."""
 
-    def __init__(self, targets: Targets, rule: ColocationRule | None = None):
-        self.targets, self.rule = targets, rule or ColocationRule()
+    def __init__(
+        self,
+        targets: Targets,
+        rule: ColocationRule | None = None,
+        mode: PlacementMode = PlacementMode.LIVE,
+    ):
+        self.targets, self.rule, self.mode = targets, rule or ColocationRule(), mode
         self._hash_sets = CachedHashSets()
 
     def decide(
@@ -214,7 +277,7 @@ class LiveColocation:
             tuple(self._load(w, block_hashes, num_prompt_tokens) for w in candidates),
             max((w.prefill_tokens_per_s for w in (decode, *candidates)), default=0.0),
         )
-        return decide(snapshot, self.targets, self.rule)
+        return decide(snapshot, self.targets, self.rule, self.mode)
 
     def _load(self, worker: WorkerInfo, hashes: Sequence[str], num_tokens: int) -> WorkerLoad:
         blocks = cached_prefix_blocks(worker, hashes, self._hash_sets)

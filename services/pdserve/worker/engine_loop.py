@@ -22,7 +22,7 @@ from typing import Any
 from pdserve.core.errors import UnknownRequestError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestOutput
-from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -50,20 +50,33 @@ MIN_PREFILL_STEP_TOKENS = 64
 
 
 class StepStats:
-    """The engine's queued prefill work, recent step time and prefill speed, for the load
-    it reports.
+    """The engine's queued prefill work, recent step time and prefill speed, and the
+    shortest output among its running requests, for the load it reports.
 
     Written by the engine thread between steps, read by heartbeats and GetLoad on the
     event loop: numbers, each written whole, so a reader sees an old or a new value and
     never walks the scheduler's queues while the engine thread changes them.
     """
 
-    __slots__ = ("queued_prefill_tokens", "step_time_ms", "prefill_tokens_per_s")
+    __slots__ = (
+        "queued_prefill_tokens",
+        "step_time_ms",
+        "prefill_tokens_per_s",
+        "shortest_running_output",
+    )
 
     def __init__(self) -> None:
         self.queued_prefill_tokens = 0  # as of the last step or command
         self.step_time_ms = 0.0  # 0: no step yet
         self.prefill_tokens_per_s = 0.0  # 0: no prefill-sized step yet
+        self.shortest_running_output = 0  # the smallest max_tokens running; 0: none
+
+    def observe_queues(self, scheduler: Scheduler) -> None:
+        """Between steps, on the engine thread: what the scheduler holds now."""
+        self.queued_prefill_tokens = scheduler.num_queued_prefill_tokens
+        self.shortest_running_output = min(
+            (r.params.max_tokens for r in scheduler.running), default=0
+        )
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if not num_tokens:  # nothing was scheduled: no step ran
@@ -161,7 +174,7 @@ class EngineLoop:
     def _main(self) -> None:
         while not self._stopping:
             self._run_commands(block=not self.engine.has_unfinished_requests())
-            self.step_stats.queued_prefill_tokens = self.engine.scheduler.num_queued_prefill_tokens
+            self.step_stats.observe_queues(self.engine.scheduler)
             if self._stopping or not self.engine.has_unfinished_requests():
                 continue
             scheduler, started = self.engine.scheduler, time.perf_counter()

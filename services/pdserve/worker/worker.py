@@ -101,6 +101,8 @@ class Worker:
             queued_prefill_tokens=self.loop.step_stats.queued_prefill_tokens,
             step_time_ms=self.loop.step_stats.step_time_ms,
             prefill_tokens_per_s=self.loop.step_stats.prefill_tokens_per_s,
+            step_token_budget=engine.config.max_num_batched_tokens,
+            shortest_running_output=self.loop.step_stats.shortest_running_output,
         )
 
     async def start_local(

@@ -89,7 +89,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "free_blocks", "total_blocks", "running", "waiting", "open_leases", "block_size", "protocol_version", "model_fingerprint", "kv_address", "queued_prefill_tokens", "step_time_ms", "prefill_tokens_per_s")
+    __slots__ = ("role", "free_blocks", "total_blocks", "running", "waiting", "open_leases", "block_size", "protocol_version", "model_fingerprint", "kv_address", "queued_prefill_tokens", "step_time_ms", "prefill_tokens_per_s", "step_token_budget", "shortest_running_output")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,8 @@ class WorkerLoad(_message.Message):
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    SHORTEST_RUNNING_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     role: str
     free_blocks: int
     total_blocks: int
@@ -116,7 +118,9 @@ class WorkerLoad(_message.Message):
     queued_prefill_tokens: int
     step_time_ms: float
     prefill_tokens_per_s: float
-    def __init__(self, role: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., open_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., protocol_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_address: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
+    step_token_budget: int
+    shortest_running_output: int
+    def __init__(self, role: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., open_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., protocol_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_address: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., step_token_budget: _Optional[int] = ..., shortest_running_output: _Optional[int] = ...) -> None: ...
 
 class RelayCommand(_message.Message):
     __slots__ = ("attach", "detach")
@@ -127,7 +131,7 @@ class RelayCommand(_message.Message):
     def __init__(self, attach: _Optional[_Union[RelayAttach, _Mapping]] = ..., detach: _Optional[_Union[RelayDetach, _Mapping]] = ...) -> None: ...
 
 class RelayAttach(_message.Message):
-    __slots__ = ("stream_id", "stream_interval", "lease_id", "generate", "trace_context")
+    __slots__ = ("stream_id", "stream_interval", "lease_id", "generate", "reattach", "trace_context")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -139,13 +143,15 @@ class RelayAttach(_message.Message):
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATE_FIELD_NUMBER: _ClassVar[int]
+    REATTACH_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     stream_id: int
     stream_interval: int
     lease_id: str
     generate: LocalGenerateRequest
+    reattach: RelayReattach
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, stream_id: _Optional[int] = ..., stream_interval: _Optional[int] = ..., lease_id: _Optional[str] = ..., generate: _Optional[_Union[LocalGenerateRequest, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    def __init__(self, stream_id: _Optional[int] = ..., stream_interval: _Optional[int] = ..., lease_id: _Optional[str] = ..., generate: _Optional[_Union[LocalGenerateRequest, _Mapping]] = ..., reattach: _Optional[_Union[RelayReattach, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RelayDetach(_message.Message):
     __slots__ = ("stream_id",)
@@ -170,3 +176,11 @@ class RelayItem(_message.Message):
     error_code: int
     error_message: str
     def __init__(self, stream_id: _Optional[int] = ..., delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class RelayReattach(_message.Message):
+    __slots__ = ("request_id", "from_token")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    from_token: int
+    def __init__(self, request_id: _Optional[str] = ..., from_token: _Optional[int] = ...) -> None: ...

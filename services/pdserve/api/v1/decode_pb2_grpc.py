@@ -110,8 +110,11 @@ class DecodeServicer:
         carries every request that router streams from this worker. Each response holds
         what the engine produced for them since the last one, so the per-message cost of
         gRPC is paid once per engine step, not once per token of every request, on both
-        ends. Closing the call aborts the requests still attached to it and frees their
-        blocks; while the worker drains, the call ends once none is attached.
+        ends. A detach aborts its request and frees its blocks; a request still attached
+        when the call ends (its router died) is kept as an orphan for `--orphan-timeout`
+        seconds for another router to re-attach, so a router closing a call on purpose
+        detaches what is on it first. While the worker drains, the call ends once none is
+        attached.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

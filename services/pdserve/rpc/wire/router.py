@@ -37,6 +37,8 @@ def worker_info_from_load(
         queued_prefill_tokens=load.queued_prefill_tokens,
         step_time_ms=load.step_time_ms,
         prefill_tokens_per_s=load.prefill_tokens_per_s,
+        step_token_budget=load.step_token_budget,
+        shortest_running_output=load.shortest_running_output,
     )
     if load.block_size:  # 0: a worker older than the field, so WorkerInfo's default stands
         fields["block_size"] = load.block_size

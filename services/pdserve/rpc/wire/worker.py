@@ -104,6 +104,8 @@ def worker_load_to_proto(info: WorkerInfo) -> decode_pb2.WorkerLoad:
         queued_prefill_tokens=info.queued_prefill_tokens,
         step_time_ms=info.step_time_ms,
         prefill_tokens_per_s=info.prefill_tokens_per_s,
+        step_token_budget=info.step_token_budget,
+        shortest_running_output=info.shortest_running_output,
     )
 
 
