@@ -450,6 +450,20 @@ def test_the_routers_queue_settings_reach_it():
     assert not problems, "\n".join(problems)
 
 
+def test_the_decode_pools_orphan_timeout_reaches_its_workers_only():
+    values = {
+        "decode": {"orphanTimeout": 5},
+        "prefill": {"orphanTimeout": 5},  # a prefill worker keeps no orphans: not passed
+        "redis": {"auth": {"password": "x"}},
+    }
+    release = chart_render.release_of(values)
+    [decode] = release.pods_of(Role.DECODE)
+    [prefill] = release.pods_of(Role.PREFILL)
+    assert decode.env["PDSERVE_ORPHAN_TIMEOUT"] == "5"
+    assert "PDSERVE_ORPHAN_TIMEOUT" not in prefill.env
+    assert not env_problems(decode.main, decode.role, set())
+
+
 # -- Redis, discovery, service accounts -----------------------------------------------------
 
 

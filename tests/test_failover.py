@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import time
 
 import grpc
 import pytest
+from router_failover import assert_seamless, kill_router, wait_until_routers_serve
 
 from pdserve.api.v1 import router_pb2_grpc
 from pdserve.client import AsyncClient, Client, PdserveError
@@ -49,38 +48,8 @@ def reference(cluster: LocalCluster, params: SamplingParams):
         return client.generate(PROMPT, params)
 
 
-def wait_until_both_serve(cluster: LocalCluster) -> None:
-    deadline = time.monotonic() + FAILOVER_BUDGET_S
-    for address in cluster.router_addresses:
-        while True:
-            try:
-                with Client(address, max_reconnects=0, timeout=2) as client:
-                    client.model_info()
-                break
-            except PdserveError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
-
-
-def kill_router(cluster: LocalCluster, address: str) -> None:
-    [router] = [r for r in cluster.routers if r.address == address]
-    os.kill(router.proc.pid, signal.SIGKILL)
-
-
-def assert_seamless(chunks, expected) -> None:
-    """One stream: each chunk starts where the last ended; all of it as the reference."""
-    position = 0
-    for chunk in chunks:
-        assert chunk.offset == position, "a token was repeated or skipped"
-        position += len(chunk.token_ids)
-    assert [t for c in chunks for t in c.token_ids] == expected.token_ids
-    assert "".join(c.text for c in chunks) == expected.text
-    assert chunks[-1].finish_reason == expected.finish_reason
-
-
 def test_a_stream_survives_its_router_being_killed(cluster):
-    wait_until_both_serve(cluster)
+    wait_until_routers_serve(cluster, FAILOVER_BUDGET_S)
     expected = reference(cluster, GREEDY)
     chunks = []
     started = time.monotonic()
@@ -98,7 +67,7 @@ def test_a_stream_survives_its_router_being_killed(cluster):
 
 
 def test_an_async_seeded_stream_survives_its_router_being_killed(cluster):
-    wait_until_both_serve(cluster)
+    wait_until_routers_serve(cluster, FAILOVER_BUDGET_S)
     expected = reference(cluster, SEEDED)
 
     async def run():
@@ -120,7 +89,7 @@ def test_an_async_seeded_stream_survives_its_router_being_killed(cluster):
 def test_an_unseeded_sampled_stream_is_taken_over_with_its_seed(cluster):
     """The router seeds an unseeded request; the one taking it over uses that seed, so
     the stream goes on as it began (the checkpoints say how it began)."""
-    wait_until_both_serve(cluster)
+    wait_until_routers_serve(cluster, FAILOVER_BUDGET_S)
     unseeded = SamplingParams(temperature=1.0, max_tokens=800, ignore_eos=True)
     chunks = []
     with Client(cluster.router_addresses) as client:
@@ -182,7 +151,7 @@ async def unfinished_router():
 
 
 def test_a_stream_that_ends_without_its_final_message_goes_on_at_the_next_router(cluster):
-    wait_until_both_serve(cluster)
+    wait_until_routers_serve(cluster, FAILOVER_BUDGET_S)
     short = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     expected = reference(cluster, short)
 

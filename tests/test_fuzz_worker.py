@@ -94,6 +94,7 @@ def worker(demo_model_dir, request):
             lease_ttl_s=1.0,
             max_lease_ttl_s=1.0,
             max_lease_lifetime_s=3.0,
+            orphan_timeout_s=1.0,  # what a call left attached is aborted as quickly
         )
         with grpc.insecure_channel(served.address) as channel:
             yield Worker(served, channel)

@@ -6,8 +6,8 @@ request finishes with the tokens an unloaded run gives, and afterwards no KV blo
 held. What it cost (recorded, not asserted): the latencies during and after the load, and
 the counts, printed as one `overload:` line (docs/reliability.md publishes them).
 
-The issue asks for 20 s of load; LOAD_S is 10 s so that the module, the cluster's start
-included, stays within about a minute on two shared cores.
+The load lasts 20 s, as the issue asks: the module, the cluster's start included, takes
+about 40 s on two cores.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ MAX_INFLIGHT = 8  # the cluster's capacity, as the router admits it
 MAX_QUEUED = 16
 QUEUE_TIMEOUT_S = 5.0
 NUM_CLIENTS = 10 * MAX_INFLIGHT  # each sends again as soon as it has its answer
-LOAD_S = 10.0
+LOAD_S = 20.0
 CALL_TIMEOUT_S = 60.0
 MAX_RSS_GROWTH_BYTES = 128 << 20  # the router's, peak during the load over its start
 SAMPLE_S = 0.1  # how often the router's memory and queue are read

@@ -32,7 +32,17 @@ def cluster(demo_model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("relay-logs")
     with (
         worker_process("prefill", demo_model_dir, log_dir=logs) as prefill,
-        worker_process("decode", demo_model_dir, "--num-kv-blocks", "600", log_dir=logs) as decode,
+        # --orphan-timeout 0: a call that ends aborts what is on it (tests/test_orphans.py
+        # has the default, where a router taking a request over re-attaches it)
+        worker_process(
+            "decode",
+            demo_model_dir,
+            "--num-kv-blocks",
+            "600",
+            "--orphan-timeout",
+            "0",
+            log_dir=logs,
+        ) as decode,
     ):
         yield prefill, decode
 
@@ -189,7 +199,7 @@ def wait_running(worker, count: int, timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-async def test_closing_the_call_aborts_every_request_on_it(cluster):
+async def test_without_orphans_closing_the_call_aborts_every_request_on_it(cluster):
     _, decode = cluster
     async with decode.channel() as channel:
         call = decode_pb2_grpc.DecodeStub(channel).Relay()

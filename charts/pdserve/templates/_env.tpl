@@ -55,6 +55,7 @@ Called with (dict "root" $ "role" "decode" "spec" .Values.decode).
   (list "PDSERVE_SERVED_MODEL_NAME" $root.Values.model.servedModelName)
   (list "PDSERVE_DISCOVERY" $root.Values.discovery.mode)
   (list "PDSERVE_PREFILL_POLICY" $spec.prefillPolicy)
+  (list "PDSERVE_PREFILL_PLACEMENT" $spec.prefillPlacement)
   (list "PDSERVE_COLOCATE_BELOW" $spec.colocateBelow)
   (list "PDSERVE_STREAM_INTERVAL" $spec.streamInterval)
   (list "PDSERVE_MAX_INFLIGHT" $spec.maxInflight)
@@ -98,6 +99,7 @@ over the chart's), and the registry it publishes to under Redis discovery. */}}
   (list "PDSERVE_ENABLE_CHUNKED_PREFILL" $engine.enableChunkedPrefill)
   (list "PDSERVE_SEED" $engine.seed)
   (list "PDSERVE_THREADS" .spec.threads)
+  (list "PDSERVE_ORPHAN_TIMEOUT" (ternary nil .spec.orphanTimeout (eq .role "prefill")))
   (list "PDSERVE_KV_PORT" (ternary .root.Values.ports.kv nil (eq (include "pdserve.kvPort" .) "true")))
 )) }}
 {{- if not (include "pdserve.kubernetesDiscovery" .root) }}

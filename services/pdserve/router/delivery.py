@@ -31,6 +31,25 @@ def split_delta(
     return head, tail
 
 
+def split_deltas(
+    deltas: list[decode_pb2.TokenDelta], count: int
+) -> tuple[list[decode_pb2.TokenDelta], list[decode_pb2.TokenDelta]]:
+    """(the deltas' first `count` tokens, the rest), split exactly at it (the tokens a
+    client has from a lost router, and those it has not)."""
+    head: list[decode_pb2.TokenDelta] = []
+    for i, delta in enumerate(deltas):
+        num_tokens = len(delta.token_ids)
+        if count <= 0:
+            return head, deltas[i:]
+        if num_tokens <= count and not is_final(delta):
+            head.append(delta)
+            count -= num_tokens
+            continue
+        first, rest = split_delta(delta, min(num_tokens, count))
+        return [*head, first] if first.token_ids else head, [rest, *deltas[i + 1 :]]
+    return head, []
+
+
 class DeliveredTokens:
     """The tokens a caller has, so that a retry's regenerated stream adds only new ones."""
 
@@ -40,8 +59,10 @@ class DeliveredTokens:
         self.num_tokens = num_tokens  # delivered, in all attempts (and by a lost router)
         self._num_seen = 0  # tokens of the current attempt so far
 
-    def new_attempt(self) -> None:
-        self._num_seen = 0
+    def new_attempt(self, first_token: int = 0) -> None:
+        """An attempt whose stream starts at output token `first_token` (a re-attach's
+        from its offset; a run's from the start)."""
+        self._num_seen = first_token
 
     def keep_new(self, delta: decode_pb2.TokenDelta) -> bool:
         """Strip the tokens (and their text) the caller has; False: nothing left to send."""

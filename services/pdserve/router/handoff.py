@@ -143,6 +143,15 @@ class Attempt:
 
 
 @dataclass(frozen=True, slots=True)
+class Orphan:
+    """Where a request whose router was lost may still run: its decode worker and its
+    name there (from its record)."""
+
+    decode_address: str
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Admission:
     """A lease on a decode worker: where the prefill worker pushes the prompt's KV."""
 
@@ -273,6 +282,18 @@ class HandOff:
                     why = f"did not answer within {timeout:g} s (--prefill-timeout)"
                     raise WorkerTimeout(prefill_address, "Prefill", why) from exc
                 raise
+
+    def reattach(self, orphan: Orphan, from_token: int, attempt: Attempt) -> RelayStream:
+        """A request a lost router ran, still running on its decode worker: its tokens
+        from `from_token` (counted from 0) on. NOT_FOUND or OUT_OF_RANGE when the worker
+        no longer holds it, or not from there (see decode.proto RelayReattach)."""
+        reattach = decode_pb2.RelayReattach(request_id=orphan.request_id, from_token=from_token)
+        attach = decode_pb2.RelayAttach(
+            stream_interval=self.stream_interval,
+            reattach=reattach,
+            trace_context=tracing.trace_carrier(),
+        )
+        return self.relays.open(orphan.decode_address, attach, attempt.time_left())
 
     def colocated(self, address: str, attempt: Attempt) -> RelayStream:
         """Prefill and decode on one worker, no KV transfer: every token on the stream."""

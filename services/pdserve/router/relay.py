@@ -16,6 +16,12 @@ dead: it ends the call, and every stream on it fails with UNAVAILABLE, which the
 retries elsewhere as for a killed worker. The deadline runs from the call's last message,
 so a busy worker (whose other streams keep it talking) is not mistaken for a frozen one,
 and not from the attach, so a long prefill queue is not either.
+
+The router ends a call on purpose (that deadline, or its own shutdown) by detaching
+every stream on it and then ending its commands: the worker aborts each and frees its
+blocks at once. A call that ends with streams attached (this router died) leaves them
+running on the worker as orphans (worker/orphans.py) for a router that takes them over
+to re-attach (`RelayAttach.reattach`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,11 @@ _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 # A decode step takes milliseconds to a second; ten seconds without a message for any of
 # a worker's waiting streams means it is frozen (measured: docs, reliability notes).
 DEFAULT_STREAM_PROGRESS_TIMEOUT_S = 10.0
+# How long a call the router ended (its commands closed) may take to end on the worker's
+# side before the router cancels it: a frozen worker's connection usually dies sooner, of
+# its keepalive; a worker that answers ends the call at once.
+CLOSE_GRACE_S = 30.0
+SHUTDOWN_GRACE_S = 1.0
 
 
 class RelayStream:
@@ -142,7 +153,6 @@ class _RelayConnection:
         self._progress_timeout_s = progress_timeout_s
         self._last_message_at = self._loop.time()
         self._watchdog: asyncio.TimerHandle | None = None  # the progress deadline's check
-        self._frozen: str | None = None  # why the deadline ended the call
         self._call = stub.Relay(self._commands())
         # In a context of its own: the call serves many requests, not the one that opened it
         # (whose trace its log lines would otherwise name).
@@ -182,12 +192,20 @@ class _RelayConnection:
         if self._loop.time() < deadline:
             self._watchdog = self._loop.call_at(deadline, self._check_progress)
             return
-        self._frozen = (
+        why = (
             f"the decode worker sent nothing for {timeout:g} s while {len(waiting)} "
             "request(s) waited for tokens (frozen?)"
         )
-        log.warning("ending the relay: %s", self._frozen)
-        self._call.cancel()  # the reader's `finally` fails every stream with UNAVAILABLE
+        log.warning("ending the relay: %s", why)
+        self._end_here(why, CLOSE_GRACE_S)
+
+    def _end_here(self, why: str, grace_s: float) -> None:
+        """End the call from this side: its streams fail with UNAVAILABLE now, and its
+        commands end, so a worker that reads them aborts what it held; cancelled only if
+        the worker has not ended it `grace_s` later."""
+        if self.open:
+            self._close(why, detach=True)
+            self._loop.call_later(grace_s, self._call.cancel)
 
     async def _commands(self):
         while (command := await self._outbox.get()) is not None:
@@ -210,23 +228,38 @@ class _RelayConnection:
         except grpc.aio.AioRpcError as exc:  # the worker died or went away
             why = f"the relay to the decode worker broke ({exc.code().name}: {exc.details()})"
         except asyncio.CancelledError:
-            if self._frozen is None:
-                why = "the router is stopping"
-                raise
-            why = self._frozen  # the call was ended here, by the progress deadline
+            why = "the router is stopping"
+            raise
         finally:
-            self.open = False
-            if self._watchdog is not None:
-                self._watchdog.cancel()
-            self._on_closed(self)
-            self._outbox.put_nowait(None)  # ends the command stream (it may await forever)
-            error = _status_error(grpc.StatusCode.UNAVAILABLE, why)
-            streams, self._streams = self._streams, {}
-            for stream in streams.values():  # each ends, and forgets itself (a no-op now)
-                stream.put(error)
+            self._close(why)
+
+    def _close(self, why: str, detach: bool = False) -> None:
+        """No more streams on this call: each still on it fails with UNAVAILABLE, and
+        the command stream ends; `detach`: after detaching each (the worker aborts them)."""
+        if not self.open:
+            return
+        self.open = False
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        self._on_closed(self)
+        streams, self._streams = self._streams, {}
+        for stream_id in streams if detach else ():
+            detach_command = decode_pb2.RelayDetach(stream_id=stream_id)
+            self._outbox.put_nowait(decode_pb2.RelayCommand(detach=detach_command))
+        self._outbox.put_nowait(None)  # ends the command stream (it may await forever)
+        error = _status_error(grpc.StatusCode.UNAVAILABLE, why)
+        for stream in streams.values():  # each ends, and forgets itself (a no-op now)
+            stream.put(error)
 
     async def close(self) -> None:
-        self._call.cancel()  # the reader's `finally` ends the command stream
+        """End the call as the router stops: its commands first (the worker aborts what
+        is attached), then, if the worker has not ended it meanwhile, cancel it."""
+        self._close("the router is stopping", detach=True)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._reader), SHUTDOWN_GRACE_S)
+        except (TimeoutError, asyncio.CancelledError, grpc.aio.AioRpcError):
+            pass
+        self._call.cancel()
         try:
             await self._reader
         except asyncio.CancelledError:

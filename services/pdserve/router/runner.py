@@ -29,6 +29,7 @@ from pdserve.router.handoff import (
     ChannelPool,
     Deadlines,
     HandOff,
+    Orphan,
     WorkerTimeout,
     error_text,
 )
@@ -67,6 +68,9 @@ class AttemptEvents(Protocol):
 
     def on_failover(self, worker: str, error: BaseException) -> None:
         """`worker` refused or was unreachable; the attempt moves on to the next candidate."""
+
+    def on_reattached(self, orphan: Orphan) -> None:
+        """The request streams from where a lost router left it running."""
 
 
 @dataclass(slots=True)
@@ -199,6 +203,20 @@ class RequestRunner:
                 )
         finally:
             stream.cancel()  # no-op when it ended; frees the decode side when we stop early
+
+    async def reattach(
+        self, orphan: Orphan, from_token: int, attempt: Attempt, events: AttemptEvents
+    ) -> None:
+        """Stream a request a lost router left running on its decode worker, from its
+        token `from_token` on, to its final delta; raises what ended it otherwise (NOT_FOUND
+        or OUT_OF_RANGE: the worker no longer holds it, or not from there)."""
+        stream = self.handoff.reattach(orphan, from_token, attempt)
+        try:
+            events.on_reattached(orphan)
+            deliver = stream.deliver(events.deliver_decoded)
+            await self._call("decode", orphan.decode_address, attempt, deliver)
+        finally:
+            stream.cancel()  # no-op when it ended; else the worker aborts it
 
     async def _call(self, role: str, address: str, attempt: Attempt, call: Awaitable[T]) -> T:
         """Await a call to a worker: its failure goes into the request's history and, if

@@ -7,7 +7,8 @@ client's messages. It is the only writer of the record while it runs.
 Generation is deterministic for a given request (greedy, or seeded per output
 position; unseeded requests get a seed here), so a retry after a worker failed
 regenerates the same tokens: the session skips the ones already delivered and the
-client sees one uninterrupted stream.
+client sees one uninterrupted stream. A request taken over from a lost router is first
+re-attached where it still runs (worker/orphans.py), and run again only if that fails.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait
 from pdserve.api.v1 import common_pb2, decode_pb2, router_pb2
 from pdserve.core.phase import RequestPhase
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.router.delivery import DeliveredTokens, DeltaInbox, split_delta
-from pdserve.router.handoff import Attempt
+from pdserve.router.delivery import DeliveredTokens, DeltaInbox, split_deltas
+from pdserve.router.handoff import Attempt, Orphan, error_text
 from pdserve.router.runner import RequestRunner
 from pdserve.rpc.errors import status_code
 from pdserve.rpc.wire import FINISH_REASON_NAMES, is_final
@@ -103,6 +104,7 @@ class Progress:
     phase: RequestPhase = RequestPhase.QUEUED
     prefill_worker: str = ""
     decode_worker: str = ""
+    decode_request_id: str = ""  # its name on the decode worker
     num_attempts: int = 0
     cached_prompt_tokens: int = 0  # as the prefill worker found them in its cache
     received_at: float = 0.0  # the router took the call
@@ -142,6 +144,7 @@ class RequestSession:
         # (built into messages for the checkpoints, not sent again)
         self._client_from = 0
         self._task: asyncio.Task | None = None  # runs the attempts
+        self._orphan: Orphan | None = None  # where a lost router left it running, if known
         self._finishing: asyncio.Future | None = None  # the record's last write
 
     async def open(self, *, start_first: bool) -> bool:
@@ -200,6 +203,8 @@ class RequestSession:
             return None
         self._delivered = DeliveredTokens(stored)
         self._num_sent, self._client_from = stored, client_from
+        if lost.decode_worker and lost.decode_request_id and not lost.is_terminal:
+            self._orphan = Orphan(lost.decode_worker, lost.decode_request_id)
         # The workers may still hold the lost router's run of it (aborted once they see
         # its calls end): this run goes by a name of its own there.
         worker_id = f"{self.request_id}@{self.router_id}"
@@ -226,16 +231,32 @@ class RequestSession:
             reraise=True,
         )
         try:
+            if self._orphan is not None and await self._reattached(self._orphan):
+                return
             async for attempt in retrying:
                 with attempt:
                     self.progress.num_attempts += 1
                     self._delivered.new_attempt()
-                    await self.runner.run(self._attempt(self.progress.num_attempts), self)
+                    run = self._attempt(self.progress.num_attempts)
+                    self.progress.decode_request_id = run.request_id
+                    await self.runner.run(run, self)
         except asyncio.CancelledError:  # Cancel, or the client left: it ends as aborted
             self._inbox.put(decode_pb2.TokenDelta(finish_reason=common_pb2.FINISH_REASON_ABORT))
             raise
         except BaseException as exc:
             self._inbox.fail(exc)
+
+    async def _reattached(self, orphan: Orphan) -> bool:
+        """Stream the request from where the lost router left it running: True once it
+        ended; False (the attempts run it again) if the worker no longer holds it."""
+        from_token = self._delivered.num_tokens  # what the checkpoints hold
+        self._delivered.new_attempt(from_token)
+        try:
+            await self.runner.reattach(orphan, from_token, self.attempt, self)
+        except Exception as exc:  # the worker's status, or a domain error: run it again
+            log.info("re-attaching %s failed (%s): running it again", orphan, error_text(exc))
+            return False
+        return True
 
     def _attempt(self, number: int) -> Attempt:
         """Attempt `number` (from 1): a retry goes by a name of its own on the workers,
@@ -260,7 +281,7 @@ class RequestSession:
             while not finished:
                 deltas, error = await self._inbox.take()
                 if deltas and self._num_sent < self._client_from:
-                    hidden, deltas = self._split_client_has(deltas)
+                    hidden, deltas = split_deltas(deltas, self._client_from - self._num_sent)
                     if hidden:
                         self._message(hidden)  # checkpointed; the client has them
                 if deltas:
@@ -283,22 +304,6 @@ class RequestSession:
             raise
         finally:
             self.cancel()
-
-    def _split_client_has(self, deltas: list[decode_pb2.TokenDelta]):
-        """(the deltas' tokens before `_client_from`, the rest), split exactly at it."""
-        num_hidden = self._client_from - self._num_sent
-        hidden: list[decode_pb2.TokenDelta] = []
-        for i, delta in enumerate(deltas):
-            num_tokens = len(delta.token_ids)
-            if num_hidden <= 0:
-                return hidden, deltas[i:]
-            if num_tokens <= num_hidden and not is_final(delta):
-                hidden.append(delta)
-                num_hidden -= num_tokens
-                continue
-            head, tail = split_delta(delta, min(num_tokens, num_hidden))
-            return [*hidden, head] if head.token_ids else hidden, [tail, *deltas[i + 1 :]]
-        return hidden, []
 
     def _message(self, deltas: list[decode_pb2.TokenDelta]) -> router_pb2.GenerateResponse:
         message = generate_response(self.request_id, self._num_sent, deltas)
@@ -351,6 +356,11 @@ class RequestSession:
     def on_failover(self, worker: str, error: BaseException) -> None:
         self.telemetry.on_failover(worker, error)
 
+    def on_reattached(self, orphan: Orphan) -> None:
+        self.progress.decode_worker = orphan.decode_address
+        self.progress.decode_request_id = orphan.request_id
+        self.progress.admitted_at = time.monotonic()
+
     def on_prefill_worker(self, prefill_worker: str) -> None:
         self.progress.prefill_worker = prefill_worker
         self._enter(self.progress.phase)
@@ -385,5 +395,6 @@ class RequestSession:
             status=phase,
             prefill_worker=progress.prefill_worker,
             decode_worker=progress.decode_worker,
+            decode_request_id=progress.decode_request_id,
             soon=phase is RequestPhase.DECODING,
         )

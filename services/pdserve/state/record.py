@@ -42,6 +42,9 @@ class RequestRecord:
     cached_prompt_tokens: int = 0
     prefill_worker: str = ""
     decode_worker: str = ""
+    # the request's name on its decode worker (`ID`, `ID#2`, `ID@router`): what a router
+    # taking it over re-attaches to there (worker/orphans.py); "": not known
+    decode_request_id: str = ""
     router_id: str = ""  # the router running it: the only writer
     trace_id: str = ""  # its OpenTelemetry trace (32 hex digits); "": not traced
     finish_reason: str = ""  # "stop" | "length" | "abort" | ""

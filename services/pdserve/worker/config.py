@@ -108,6 +108,15 @@ class WorkerConfig:
         default=30.0,
         metadata={"help": "seconds running requests get to finish on SIGTERM", "flag": "grace"},
     )
+    orphan_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "decode/both: seconds a request still attached when its Relay call ended "
+            "(its router died) keeps running for the router taking it over to re-attach "
+            "(0: abort it at once)",
+            "flag": "orphan-timeout",
+        },
+    )
     redis_url: str | None = field(
         default=None,
         metadata={"help": "publish heartbeats to this worker registry", "env": ("REDIS_URL",)},
@@ -152,6 +161,8 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.orphan_timeout_s < 0:
+            raise ValueError(f"orphan_timeout_s must be >= 0, got {self.orphan_timeout_s}")
 
     @property
     def shares_imported_kv(self) -> bool:

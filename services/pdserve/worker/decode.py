@@ -22,6 +22,7 @@ from pdserve.rpc.wire import sampling_params_from_proto
 from pdserve.rpc.wire.worker import lease_renewal_to_proto, lease_to_proto, worker_load_to_proto
 from pdserve.telemetry import metrics, tracing
 from pdserve.telemetry.metrics import TransferSide
+from pdserve.worker.orphans import Orphans
 from pdserve.worker.outbox import Outbox, deliver_one
 from pdserve.worker.relay import RelayCall
 from pdserve.worker.worker import Worker
@@ -34,6 +35,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, worker: Worker):
         self.worker = worker
         self.relays: set[RelayCall] = set()
+        # what broken Relay calls left, for a router taking them over (worker/orphans.py)
+        self.orphans = Orphans(worker, worker.config.orphan_timeout_s)
 
     @rpc_errors
     async def Admit(self, request, context):
@@ -74,7 +77,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     @rpc_errors
     async def Relay(self, request_iterator, context):
-        relay = RelayCall(self.worker)
+        relay = RelayCall(self.worker, self.orphans)
         self.relays.add(relay)
         try:
             async for batch in relay.serve(request_iterator):

@@ -4,15 +4,21 @@ A Relay call attaches many requests (see decode.proto), a Stream or Generate cal
 Nothing here runs per request per token but bookkeeping: the engine loop hands a step's
 outputs to the attached requests' sinks, which forward them straight into the call's
 `Outbox`, and each wake-up of the call sends everything that is due.
+
+A request's `Attached` is its one object from attach to end; its `owner` is the call
+delivering it, or, once a Relay call broke with it attached, the worker's `Orphans`
+(worker/orphans.py) until a new call re-attaches it or its time runs out.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from opentelemetry import context as otel_context
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind
@@ -39,14 +45,26 @@ class PendingDeltas:
     a receiver behind the engine pays per message, not per token.
     """
 
-    __slots__ = ("stream_interval", "num_output_tokens", "deltas", "num_tokens", "sent_any")
+    __slots__ = (
+        "stream_interval",
+        "num_output_tokens",
+        "deltas",
+        "num_tokens",
+        "sent_any",
+        "history_start",
+        "history",
+    )
 
-    def __init__(self, stream_interval: int, num_output_tokens: int = 0):
+    def __init__(self, stream_interval: int, num_output_tokens: int = 0, keep: bool = False):
         self.stream_interval = stream_interval
         self.num_output_tokens = num_output_tokens  # sent before this request's first delta
         self.deltas: list[RequestOutput] = []
         self.num_tokens = 0  # in `deltas`
         self.sent_any = False
+        # `keep`: every message sent, from output token `history_start` on, for a router
+        # that re-attaches the request once its call broke (bounded by its max_tokens)
+        self.history_start = num_output_tokens
+        self.history: list[decode_pb2.TokenDelta] | None = [] if keep else None
 
     @property
     def finished(self) -> bool:
@@ -65,7 +83,25 @@ class PendingDeltas:
         self.num_output_tokens += self.num_tokens
         message = deltas_to_proto(self.deltas, self.num_output_tokens)
         self.deltas, self.num_tokens, self.sent_any = [], 0, True
+        if self.history is not None:
+            self.history.append(message)
         return message
+
+
+class StreamState(enum.Enum):
+    """Where a request's deltas go."""
+
+    ATTACHED = enum.auto()  # to the call it is attached to
+    ORPHANED = enum.auto()  # kept: its Relay call broke (worker/orphans.py)
+    ENDED = enum.auto()  # nowhere: it ended or was stopped
+
+
+class Owner(Protocol):
+    """Who a request's deltas and KV commit go to: its call's Outbox, or Orphans."""
+
+    def on_item(self, attached: Attached, item: RequestOutput | BaseException) -> None: ...
+
+    def on_ready(self, attached: Attached, ready: asyncio.Future) -> None: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -76,12 +112,25 @@ class Attached:
     request_id: str
     pending: PendingDeltas
     admitted: AdmittedLease | None  # the lease path; None: a colocated generation
-    ended: bool = False
+    owner: Owner
+    state: StreamState = StreamState.ATTACHED
+    error: BaseException | None = None  # what ended it while orphaned
     # its trace: the parent of its span (None: the current context), the span once it
     # decodes here (a lease's from its commit, a colocated one's from the attach)
     trace_parent: otel_context.Context | None = None
     span: Span = INVALID_SPAN
     span_started_at: float = 0.0  # time.monotonic()
+
+    @property
+    def ended(self) -> bool:
+        return self.state is StreamState.ENDED
+
+    def on_item(self, item: RequestOutput | BaseException) -> None:
+        """The consumer of its sink: passes each item on to its owner now."""
+        self.owner.on_item(self, item)
+
+    def on_ready(self, ready: asyncio.Future) -> None:
+        self.owner.on_ready(self, ready)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +144,9 @@ class Outgoing:
 class Outbox:
     """The requests attached to one call and what is ready to send on it, in order."""
 
-    def __init__(self, worker: Worker):
+    def __init__(self, worker: Worker, *, keep_history: bool = False):
         self.worker = worker
+        self.keep_history = keep_history  # for re-attaching once the call broke (Relay)
         self.attached: dict[int, Attached] = {}  # by stream id
         self._due: dict[int, Attached] = {}  # requests with a message due, in arrival order
         self._ready: list[Outgoing] = []  # to send before the due ones, in order
@@ -117,7 +167,7 @@ class Outbox:
             finished = attached.pending.finished
             items.append(Outgoing(attached.stream_id, attached.pending.take()))
             if finished:
-                self._end(attached, aborted=False)
+                self.end(attached, aborted=False)
         return items
 
     # -- attaching ----------------------------------------------------------------------------
@@ -137,12 +187,12 @@ class Outbox:
         """
         self._check_unused(stream_id)
         admitted = self.worker.leases.attach_stream(lease_id)
-        pending = PendingDeltas(stream_interval, NUM_TOKENS_FROM_PREFILL)
-        attached = Attached(stream_id, admitted.lease.request_id, pending, admitted)
+        pending = PendingDeltas(stream_interval, NUM_TOKENS_FROM_PREFILL, self.keep_history)
+        attached = Attached(stream_id, admitted.lease.request_id, pending, admitted, self)
         attached.trace_parent = tracing.parent_from(trace_context or {})
         self.attached[stream_id] = attached
-        admitted.ready.add_done_callback(lambda ready: self._on_ready(attached, ready))
-        admitted.sink.forward_to(lambda item: self._on_item(attached, item))
+        admitted.ready.add_done_callback(attached.on_ready)
+        admitted.sink.forward_to(attached.on_item)
         return attached
 
     def attach_generate(
@@ -159,9 +209,10 @@ class Outbox:
         """
         self._check_unused(stream_id)
         request_id = request.request_id or uuid.uuid4().hex
-        attached = Attached(stream_id, request_id, PendingDeltas(stream_interval), None)
+        pending = PendingDeltas(stream_interval, keep=self.keep_history)
+        attached = Attached(stream_id, request_id, pending, None, self)
         attached.trace_parent = tracing.parent_from(trace_context or {})
-        _start_span(attached, "generate")
+        start_request_span(attached, "generate")
         self.attached[stream_id] = attached
         self.worker.leases.spawn(self._start_generate(attached, request))
         return attached
@@ -178,13 +229,26 @@ class Outbox:
             sink = await worker.start_local(prompt, params, attached.request_id, request.priority)
         except Exception as exc:  # a refusal, or the engine's error: the request's last item
             if not attached.ended:
-                self.fail(attached, exc)
+                attached.on_item(exc)  # to its owner now (an orphan's, if its call broke)
             return
         if attached.ended:  # detached (or the call ended) while it was being added
             worker.loop.close_sink(attached.request_id)
             await worker.loop.abort(attached.request_id)
             return
-        sink.forward_to(lambda item: self._on_item(attached, item))
+        sink.forward_to(attached.on_item)
+
+    def adopt(self, stream_id: int, attached: Attached, stream_interval: int) -> None:
+        """Deliver an orphan on this call (worker/orphans.py took what it kept off it)."""
+        self._check_unused(stream_id)
+        attached.stream_id, attached.owner = stream_id, self
+        attached.state = StreamState.ATTACHED
+        attached.pending.stream_interval = stream_interval
+        self.attached[stream_id] = attached
+
+    def send(self, attached: Attached, message: decode_pb2.TokenDelta | BaseException) -> None:
+        """Send a message of the request's before whatever it has due."""
+        self._ready.append(Outgoing(attached.stream_id, message))
+        self.wake()
 
     def _check_unused(self, stream_id: int) -> None:
         if stream_id in self.attached:
@@ -192,15 +256,15 @@ class Outbox:
 
     # -- what the engine produced -------------------------------------------------------------
 
-    def _on_ready(self, attached: Attached, ready: asyncio.Future) -> None:
+    def on_ready(self, attached: Attached, ready: asyncio.Future) -> None:
         if ready.cancelled() or attached.ended:
             return
         if ready.exception() is not None:
             self.fail(attached, ready.exception())
         else:  # the KV is committed: decoding starts
-            _start_span(attached, "decode")
+            start_request_span(attached, "decode")
 
-    def _on_item(self, attached: Attached, item: RequestOutput | BaseException) -> None:
+    def on_item(self, attached: Attached, item: RequestOutput | BaseException) -> None:
         if attached.ended:
             return
         if isinstance(item, BaseException):
@@ -224,46 +288,68 @@ class Outbox:
         if attached.pending.deltas:
             self._ready.append(Outgoing(attached.stream_id, attached.pending.take()))
         self._ready.append(Outgoing(attached.stream_id, error))
-        self._end(attached, aborted=True)
+        self.end(attached, aborted=True)
 
     def detach(self, stream_id: int) -> None:
         """Stop a request the caller no longer wants (nothing to do if it ended already)."""
         attached = self.attached.get(stream_id)
         if attached is not None:
-            self._end(attached, aborted=True)
+            self.end(attached, aborted=True)
 
-    def close(self) -> None:
-        """The call is over: stop every request still attached."""
+    def close(self, orphans: Orphanage | None = None) -> None:
+        """The call is over: stop every request still attached, or, with `orphans` (the
+        call broke: its router may be gone), hand each to them to keep for a while."""
         for attached in list(self.attached.values()):
-            self._end(attached, aborted=True)
+            self.attached.pop(attached.stream_id, None)
+            self._due.pop(attached.stream_id, None)
+            if orphans is None or not orphans.keep(attached):
+                self.end(attached, aborted=True)
 
-    def _end(self, attached: Attached, aborted: bool) -> None:
+    def end(self, attached: Attached, aborted: bool) -> None:
         """Forget the request here; free its lease, or abort it if it did not finish."""
-        attached.ended = True
-        _end_span(attached)
         self.attached.pop(attached.stream_id, None)
         self._due.pop(attached.stream_id, None)
         self.wake()
-        worker = self.worker
-        if attached.admitted is not None:
-            closed = LeaseNotFoundError("closed")
-            worker.leases.spawn(
-                worker.leases.close_lease(attached.admitted, LeaseState.RELEASED, closed)
-            )
-        else:
-            worker.loop.close_sink(attached.request_id)
-            if aborted:
-                worker.leases.spawn(worker.loop.abort(attached.request_id))
+        end_request(self.worker, attached, aborted)
 
 
-def _start_span(attached: Attached, name: str) -> None:
+class Orphanage(Protocol):
+    """Where a broken call's requests go (`worker.orphans.Orphans`)."""
+
+    def keep(self, attached: Attached) -> bool:
+        """Keep it for a re-attach (False: it is not kept, and the caller ends it)."""
+
+
+def end_request(worker: Worker, attached: Attached, aborted: bool) -> None:
+    """The request is over here: free its lease (aborting it if it runs), or abort a
+    colocated one that did not finish. Idempotent."""
+    attached.state = StreamState.ENDED
+    end_request_span(attached)
+    release_request(worker, attached, aborted)
+
+
+def release_request(worker: Worker, attached: Attached, aborted: bool) -> None:
+    """Give back what the request holds on the engine (its lease, its sink); `aborted`:
+    stop it if it still runs. Closing a lease twice is a no-op."""
+    if attached.admitted is not None:
+        closed = LeaseNotFoundError("closed")
+        worker.leases.spawn(
+            worker.leases.close_lease(attached.admitted, LeaseState.RELEASED, closed)
+        )
+    else:
+        worker.loop.close_sink(attached.request_id)
+        if aborted:
+            worker.leases.spawn(worker.loop.abort(attached.request_id))
+
+
+def start_request_span(attached: Attached, name: str) -> None:
     attached.span = tracing.start_span(
         name, attached.request_id, kind=SpanKind.SERVER, parent=attached.trace_parent
     )
     attached.span_started_at = time.monotonic()
 
 
-def _end_span(attached: Attached) -> None:
+def end_request_span(attached: Attached) -> None:
     """End the request's span with the tokens it produced here and their time per token."""
     span = attached.span
     if span.is_recording():
