@@ -50,8 +50,9 @@ not report one) and `step` its recent step time:
                  its tokens; the one with the fewest feels it most); step alone when
                  nothing runs there
 
-A fixed `--colocate-below N` replaces the decision: prompts under N tokens (or almost
-entirely cached there) are colocated, the others remote, whatever the load.
+A fixed `--colocate-below N` replaces the decision, and `--prefill-placement` with it:
+prompts under N tokens (or almost entirely cached there) are colocated, the others
+remote, whatever the load.
 """
 
 from __future__ import annotations
