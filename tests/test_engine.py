@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from pdserve.core.errors import InvalidRequestError, UnknownRequestError
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.model_runner import decode_groups
 
 PROMPT = "The quick brown fox"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -448,3 +449,12 @@ def test_any_mix_of_add_step_and_abort_drains_and_frees_every_block(demo_model_d
     assert_idle(engine)
     assert finished == set(max_tokens) - aborted
     assert all(len(tokens[rid]) == max_tokens[rid] for rid in finished)
+
+
+def test_decodes_are_grouped_where_a_context_is_far_longer_than_its_groups_shortest():
+    # a new group: over twice the group's shortest and at least 256 tokens longer
+    assert decode_groups([]) == []
+    assert decode_groups([5, 9, 200, 260]) == [range(0, 4)]  # short ones stay together
+    assert decode_groups([5, 9, 200, 261]) == [range(0, 3), range(3, 4)]
+    assert decode_groups([9, 12, 300, 700, 1300]) == [range(0, 2), range(2, 3), range(3, 5)]
+    assert decode_groups([600, 1200, 1201]) == [range(0, 2), range(2, 3)]

@@ -47,7 +47,7 @@ def test_prefill_logits_match_transformers(hf_checkpoint):
     ours = load_model(path, config, 512, torch.device("cpu"), torch.float32)
     ids = torch.tensor(random_prompts([45])[0])
     kv = torch.zeros(config.num_layers, 2, 64, config.num_kv_heads, config.head_dim)
-    meta = AttentionMetadata(torch.arange(len(ids)), [PrefillSpan(0, len(ids), None, None)], None)
+    meta = AttentionMetadata(torch.arange(len(ids)), [PrefillSpan(0, len(ids), None, None)], [])
     with torch.no_grad():
         logits = ours.compute_logits(ours(ids, torch.arange(len(ids)), kv, meta))
         reference = hf_model(path)(ids[None]).logits[0]
@@ -72,6 +72,15 @@ def test_batch_of_mixed_lengths_equals_each_alone(hf_checkpoint):
     assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
     reference = hf_model(path)
     assert batched[2].token_ids == hf_greedy(reference, prompts[2])
+
+
+def test_decodes_of_far_apart_contexts_in_separate_groups_equal_each_alone(hf_checkpoint):
+    _, path = hf_checkpoint
+    prompts = random_prompts([700, 12, 300, 9], seed=3)  # three groups: 9-12, 300, 700
+    alone = [LLMEngine.from_pretrained(path).generate([p], GREEDY_32)[0] for p in prompts]
+    batched = LLMEngine.from_pretrained(path).generate(prompts, GREEDY_32)
+    assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
+    assert batched[0].token_ids == hf_greedy(hf_model(path), prompts[0])
 
 
 def test_sliding_window_shorter_than_the_context_matches_transformers(demo_model_dir, tmp_path):

@@ -33,7 +33,8 @@ class PrefillSpan:
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """Sequences that each add one token, batched into one padded SDPA call."""
+    """Sequences that each add one token, batched into one padded SDPA call (a step has
+    one per group of similar context lengths: `model_runner.decode_groups`)."""
 
     token_start: int
     num_seqs: int
@@ -53,7 +54,7 @@ class DecodeBatch:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]: cache slot each new token's K/V goes to
     prefills: list[PrefillSpan]
-    decode: DecodeBatch | None
+    decodes: list[DecodeBatch]  # the decode rows, group by group; [] when none
 
 
 def write_kv(layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
@@ -80,8 +81,7 @@ def paged_attention(
         out[rows] = _sdpa(
             q[rows].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), span.mask, scale
         )[0]
-    batch = meta.decode
-    if batch is not None:
+    for batch in meta.decodes:
         rows = slice(batch.token_start, batch.token_start + batch.num_seqs)
         blocks = layer_cache.view(2, -1, *batch.kv_buffer.shape[2:])
         kv = torch.index_select(blocks, 1, batch.block_table, out=batch.kv_buffer)

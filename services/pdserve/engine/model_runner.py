@@ -1,7 +1,8 @@
 """Turn a scheduler step plan into tensors, run the model, and sample.
 
-Row layout of one step: the one-token decode sequences first (batched into one
-padded attention call per layer), then each prefill chunk.
+Row layout of one step: the one-token decode sequences first, shortest context first
+(grouped by context length, one padded attention call per group and layer: `decode_groups`),
+then each prefill chunk.
 """
 
 from __future__ import annotations
@@ -17,6 +18,29 @@ from pdserve.engine.models.llama import LayerDoneCallback, LlamaFamilyModel
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SamplerOutput, SamplingState, position_seed
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+# When decode sequences of very different lengths share one padded attention call, every
+# one of them gathers and attends over the longest one's keys: one 2,047-token context
+# among three 60-token ones made a step gather four 2,048-token contexts and take twice
+# as long (bench/decode_groups_bench.py). So a step's decodes go in groups: a new group
+# starts where a context is over DECODE_GROUP_RATIO times the group's shortest and
+# DECODE_GROUP_MIN_GAP tokens longer (short contexts stay together: a call per group and
+# layer costs more than a few hundred padded keys).
+DECODE_GROUP_RATIO = 2
+DECODE_GROUP_MIN_GAP = 256
+
+
+def decode_groups(context_lens: list[int]) -> list[range]:
+    """The groups of `context_lens` (ascending), as ranges of their indices."""
+    groups, start = [], 0
+    for i, length in enumerate(context_lens):
+        first = context_lens[start]
+        if length > DECODE_GROUP_RATIO * first and length - first >= DECODE_GROUP_MIN_GAP:
+            groups.append(range(start, i))
+            start = i
+    if context_lens:
+        groups.append(range(start, len(context_lens)))
+    return groups
 
 
 @dataclass(slots=True)
@@ -51,7 +75,7 @@ class ModelRunner:
         return inputs.sampled, self.sampler(logits, states)
 
     def prepare(self, plan: SchedulerOutput) -> StepInputs:
-        decodes = [s for s in plan.scheduled if s.is_decode]
+        decodes = sorted((s for s in plan.scheduled if s.is_decode), key=lambda s: s.start)
         prefills = [s for s in plan.scheduled if not s.is_decode]
         input_ids, positions, slots, sample_rows, sampled = [], [], [], [], []
         for s in decodes:
@@ -77,7 +101,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             prefills=spans,
-            decode=self._decode_batch(decodes) if decodes else None,
+            decodes=self._decode_batches(decodes),
         )
         return StepInputs(
             self._tensor(input_ids),
@@ -110,7 +134,14 @@ class ModelRunner:
         key_slots = self._slots(s.request.block_ids, 0, context)
         return PrefillSpan(row, num_new, key_slots.to(self.device), mask.to(self.device))
 
-    def _decode_batch(self, decodes: list[ScheduledRequest]) -> DecodeBatch:
+    def _decode_batches(self, decodes: list[ScheduledRequest]) -> list[DecodeBatch]:
+        """One padded batch per group of `decodes` (ascending context), rows in order."""
+        groups = decode_groups([s.start + 1 for s in decodes])
+        return [
+            self._decode_batch(group.start, decodes[group.start : group.stop]) for group in groups
+        ]
+
+    def _decode_batch(self, token_start: int, decodes: list[ScheduledRequest]) -> DecodeBatch:
         context_lens = [s.start + 1 for s in decodes]
         max_context = max(context_lens)
         max_blocks = num_blocks_for(max_context, self.block_size)
@@ -130,7 +161,9 @@ class ModelRunner:
             mask = mask[:, None, None, :].to(self.device)
         blocks = self.kv_cache.blocks
         kv_buffer = blocks.new_empty((2, len(decodes) * max_blocks, *blocks.shape[3:]))
-        return DecodeBatch(0, len(decodes), max_context, self._tensor(table), mask, kv_buffer)
+        return DecodeBatch(
+            token_start, len(decodes), max_context, self._tensor(table), mask, kv_buffer
+        )
 
 
 def sampling_state(request: Request, device: torch.device) -> SamplingState:
