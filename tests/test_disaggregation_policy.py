@@ -252,6 +252,29 @@ def test_live_colocation_reads_the_reports_and_the_cached_prefix_on_each_worker(
     assert attributes["pdserve.placement.decode_cached_tokens"] == 48
 
 
+def test_the_span_carries_only_the_inputs_the_decision_weighed():
+    s = snapshot(40, load(cached=16), load(queued_tokens=500))
+    live = decide(s, TARGETS).attributes()
+    remote = decide(s, TARGETS, mode=PlacementMode.REMOTE).attributes()
+    rule = ColocationRule(enabled=True, max_prompt_tokens=100)
+    fixed = decide(s, TARGETS, rule).attributes()
+
+    assert remote == {
+        "pdserve.placement": "remote",
+        "pdserve.placement.reason": "always_remote",
+        "pdserve.placement.prompt_tokens": 40,
+    }
+    assert fixed == {
+        "pdserve.placement": "colocated",
+        "pdserve.placement.reason": "colocate_below",
+        "pdserve.placement.prompt_tokens": 40,
+        "pdserve.placement.decode_cached_tokens": 16,
+    }
+    assert live.keys() > fixed.keys()
+    assert live["pdserve.placement.prefill_queued_tokens"] == 500
+    assert live["pdserve.placement.ttft_target_ms"] == 200
+
+
 def test_the_engine_reports_its_queued_prompt_tokens_and_its_shortest_running_output(
     demo_model_dir,
 ):

@@ -190,26 +190,43 @@ class Decision:
         return self.placement is Placement.COLOCATED
 
     def attributes(self) -> dict[str, object]:
-        """The decision and its inputs, as span attributes."""
+        """The decision and the inputs it weighed, as span attributes: a mode or a missing
+        pool decides alone, the fixed threshold reads the prompt and its cached prefix, the
+        live rules read the whole snapshot."""
         s = self.snapshot
-        best = min(s.prefill, key=lambda w: w.queued_prefill_tokens, default=None)
-        return {
+        attributes: dict[str, object] = {
             "pdserve.placement": self.placement.value,
             "pdserve.placement.reason": self.reason.value,
-            "pdserve.placement.remote_ttft_ms": self.remote_ttft_ms,
-            "pdserve.placement.colocated_ttft_ms": self.colocated_ttft_ms,
-            "pdserve.placement.decode_stall_ms": self.decode_stall_ms,
-            "pdserve.placement.decode_tpot_ms": self.decode_tpot_ms,
-            "pdserve.placement.ttft_target_ms": self.targets.ttft_s * MS,
-            "pdserve.placement.tpot_target_ms": self.targets.tpot_s * MS,
             "pdserve.placement.prompt_tokens": s.num_prompt_tokens,
-            "pdserve.placement.decode_cached_tokens": s.decode.cached_tokens,
-            "pdserve.placement.decode_queued_prefill_tokens": s.decode.queued_prefill_tokens,
-            "pdserve.placement.decode_running": s.decode.num_queued,
-            "pdserve.placement.decode_step_time_ms": s.decode.step_time_ms,
-            "pdserve.placement.prefill_queued_tokens": best.queued_prefill_tokens if best else 0,
-            "pdserve.placement.prefill_tokens_per_s": s.prefill_tokens_per_s,
         }
+        if self.reason in _DECIDED_ALONE:
+            return attributes
+        attributes["pdserve.placement.decode_cached_tokens"] = s.decode.cached_tokens
+        if self.reason is Reason.COLOCATE_BELOW:
+            return attributes
+        best = min(s.prefill, key=lambda w: w.queued_prefill_tokens, default=None)
+        attributes.update(
+            {
+                "pdserve.placement.remote_ttft_ms": self.remote_ttft_ms,
+                "pdserve.placement.colocated_ttft_ms": self.colocated_ttft_ms,
+                "pdserve.placement.decode_stall_ms": self.decode_stall_ms,
+                "pdserve.placement.decode_tpot_ms": self.decode_tpot_ms,
+                "pdserve.placement.ttft_target_ms": self.targets.ttft_s * MS,
+                "pdserve.placement.tpot_target_ms": self.targets.tpot_s * MS,
+                "pdserve.placement.decode_queued_prefill_tokens": s.decode.queued_prefill_tokens,
+                "pdserve.placement.decode_running": s.decode.num_queued,
+                "pdserve.placement.decode_step_time_ms": s.decode.step_time_ms,
+                "pdserve.placement.prefill_queued_tokens": (
+                    best.queued_prefill_tokens if best else 0
+                ),
+                "pdserve.placement.prefill_tokens_per_s": s.prefill_tokens_per_s,
+            }
+        )
+        return attributes
+
+
+# reasons no estimate took part in: their span carries the decision and the prompt alone
+_DECIDED_ALONE = frozenset({Reason.NO_PREFILL_WORKER, Reason.ALWAYS_REMOTE})
 
 
 def decide(
