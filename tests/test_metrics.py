@@ -282,6 +282,14 @@ def test_workers_report_their_engine_and_leases_idle_after_the_workload(workload
         assert workload.delta(role, "pdserve:kv_leases_expired_total") == 0, role
 
 
+def test_the_decode_worker_alone_reports_orphans_and_none_is_left_after_the_workload(workload):
+    decode, prefill = workload.after["decode"], workload.after["prefill"]
+    assert decode.value("pdserve:orphans_kept") == 0
+    assert workload.delta("decode", "pdserve:orphans_reattached_total") == 0
+    assert workload.delta("decode", "pdserve:orphans_expired_total") == 0
+    assert not [s for s in prefill.samples if s.name.startswith("pdserve:orphans")]
+
+
 # -- the endpoint ---------------------------------------------------------------------
 
 

@@ -70,18 +70,25 @@ def worker(cluster: LocalCluster, role: str) -> ChildProcess:
     return child
 
 
-def kv_pushes(cluster: LocalCluster) -> float:
-    """Prompts whose KV the prefill worker pushed to the decode worker so far."""
-    with urllib.request.urlopen(
-        f"http://{worker(cluster, 'prefill').metrics_address}/metrics"
-    ) as r:
+def metric(cluster: LocalCluster, role: str, name: str, **labels: str) -> float:
+    """The sum of a worker's samples named `name` with `labels`."""
+    with urllib.request.urlopen(f"http://{worker(cluster, role).metrics_address}/metrics") as r:
         families = text_string_to_metric_families(r.read().decode())
         return sum(
             s.value
             for f in families
             for s in f.samples
-            if s.name == "pdserve:kv_transfer_seconds_count" and s.labels.get("side") == "send"
+            if s.name == name and labels.items() <= s.labels.items()
         )
+
+
+def kv_pushes(cluster: LocalCluster) -> float:
+    """Prompts whose KV the prefill worker pushed to the decode worker so far."""
+    return metric(cluster, "prefill", "pdserve:kv_transfer_seconds_count", side="send")
+
+
+def reattached(cluster: LocalCluster) -> float:
+    return metric(cluster, "decode", "pdserve:orphans_reattached_total")
 
 
 def decode_request_id(cluster: LocalCluster, request_id: str) -> str:
@@ -117,10 +124,11 @@ def killed_mid_stream(cluster: LocalCluster, params: SamplingParams, request_id:
 def test_the_router_taking_over_re_attaches_and_nothing_runs_twice(cluster, params):
     wait_until_routers_serve(cluster, FAILOVER_BUDGET_S)
     request_id = f"orphan-{params.temperature}-{params.seed}"
-    pushes = kv_pushes(cluster)
+    pushes, reattaches = kv_pushes(cluster), reattached(cluster)
     chunks = killed_mid_stream(cluster, params, request_id)
     assert decode_request_id(cluster, request_id) == request_id, "it ran again"
     assert kv_pushes(cluster) <= pushes + 1, "its prompt was prefilled again"
+    assert reattached(cluster) == reattaches + 1
     if params.seed is None and params.temperature:  # its output as the store holds it
         with Client(cluster.router_addresses) as client:
             expected = client.generate(PROMPT, params, request_id=request_id)
@@ -154,6 +162,7 @@ def test_an_orphan_nobody_re_attaches_is_aborted_after_the_timeout(cluster):
     wait_until_routers_serve(cluster, FAILOVER_BUDGET_S)
     decode = worker(cluster, "decode")
     address = cluster.router_addresses[0]
+    expired = metric(cluster, "decode", "pdserve:orphans_expired_total")
     with Client(address, max_reconnects=0) as client:
         with pytest.raises(PdserveError):
             for chunk in client.stream(PROMPT, LONG):
@@ -163,10 +172,13 @@ def test_an_orphan_nobody_re_attaches_is_aborted_after_the_timeout(cluster):
     time.sleep(1.0)
     load = worker_load(decode.address, "decode")
     assert load.running == 1 and load.free_blocks < load.total_blocks, "aborted at once"
+    assert metric(cluster, "decode", "pdserve:orphans_kept") == 1
     load = wait_idle(decode.address, "decode", ORPHAN_TIMEOUT_S + 10)
     freed_after = time.monotonic() - killed_at
     assert is_idle(load), f"still held {freed_after:.1f}s after its router died: {load}"
     assert freed_after < ORPHAN_TIMEOUT_S + 10
+    assert metric(cluster, "decode", "pdserve:orphans_expired_total") == expired + 1
+    assert metric(cluster, "decode", "pdserve:orphans_kept") == 0
 
 
 def test_a_cancelled_request_is_aborted_at_once(cluster):

@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdserve.core.phase import RequestPhase
 from pdserve.telemetry.admission_metrics import AdmissionMetrics
 from pdserve.telemetry.endpoint import METRICS_PATH, MetricsServer
 from pdserve.telemetry.summary import RequestSummary
+from pdserve.telemetry.worker_metrics import WatchedOrphans, WatchedWorker, WorkerCollector
 
 LABELS = ("model_name", "role", "worker")
 ROUTER_ROLE = "router"
@@ -248,51 +247,11 @@ class _TransferMetrics:
         self.failures.labels(*self._labels, side, reason).inc()
 
 
-class WatchedWorker(Protocol):
-    """What a worker's collector reads (`pdserve.worker.worker.Worker`): telemetry sits
-    below the worker and the router, so it names what it reads, not their classes."""
-
-    engine: Any  # an LLMEngine: .scheduler and .block_manager counts
-    leases: Any  # AdmittedLeases: len() and .num_expired
-
-
 class WatchedRelays(Protocol):
     """What `relay_streams` reads (`pdserve.router.relay.DecodeRelays`)."""
 
     @property
     def num_streams(self) -> int: ...
-
-
-class _WorkerCollector:
-    """A worker's engine and leases, read when scraped: the hot path pays nothing.
-
-    Runs on the endpoint's thread while the engine runs on its own: it reads counts only
-    (ints and lengths, each read whole under the GIL), never iterates what they change.
-    """
-
-    def __init__(self, worker: WatchedWorker, labels: ProcessLabels):
-        self._worker, self._labels = worker, list(labels.values)
-
-    def collect(self) -> Iterator[Metric]:
-        worker = self._worker
-        scheduler, blocks = worker.engine.scheduler, worker.engine.block_manager
-        gauges = (
-            ("num_requests_running", "Requests in the engine's batch", scheduler.num_running),
-            ("num_requests_waiting", "Requests queued for the engine", scheduler.num_waiting),
-            ("kv_cache_usage_perc", "Share of KV blocks held by requests (0-1)", blocks.usage),
-            ("kv_leases_active", "KV leases admitted and not yet ended", len(worker.leases)),
-        )
-        counters = (
-            ("prefix_cache_queries", "Prompt tokens looked up", blocks.prefix_cache_queries),
-            ("prefix_cache_hits", "Of those, tokens found cached", blocks.prefix_cache_hits),
-            ("num_preemptions", "Requests preempted for KV blocks", scheduler.num_preemptions),
-            ("kv_leases_expired", "Leases ended before their KV", worker.leases.num_expired),
-        )
-        for family, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
-            for name, documentation, value in rows:
-                metric = family(f"pdserve:{name}", documentation, labels=LABELS)
-                metric.add_metric(self._labels, value)
-                yield metric
 
 
 class ProcessMetrics:
@@ -317,9 +276,10 @@ class ProcessMetrics:
         )
         self._thread.start()
 
-    def watch_worker(self, worker: WatchedWorker) -> None:
-        """Serve the worker's engine gauges and counters and its leases from now on."""
-        self.registry.register(_WorkerCollector(worker, self.labels))
+    def watch_worker(self, worker: WatchedWorker, orphans: WatchedOrphans | None = None) -> None:
+        """Serve the worker's engine gauges and counters, its leases and, on a worker that
+        decodes, its orphans (`--orphan-timeout`) from now on."""
+        self.registry.register(WorkerCollector(worker, orphans, list(self.labels.values)))
 
     def watch_relays(self, relays: WatchedRelays) -> None:
         """Serve the number of requests on the router's relay calls as `relay_streams`."""

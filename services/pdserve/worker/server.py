@@ -69,7 +69,8 @@ class WorkerApp:
         self._heartbeats = _start_heartbeats(self.worker)
         if self.metrics is None:
             return {"blocks": engine.block_manager.num_blocks}
-        self.metrics.watch_worker(self.worker)
+        orphans = self.gates.decode.orphans if self.gates.decode is not None else None
+        self.metrics.watch_worker(self.worker, orphans)
         return {"blocks": engine.block_manager.num_blocks, "metrics": self.metrics.address}
 
     async def drain(self) -> None:
