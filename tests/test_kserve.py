@@ -347,19 +347,25 @@ def test_a_streamed_requests_error_is_its_response_and_the_stream_goes_on(cluste
         client.stop_stream(cancel_requests=True)
 
 
-def _cancelled_requests(redis_client) -> set[bytes]:
-    """The ids of the requests Redis records as cancelled."""
+def _cancelled_requests(redis_client, created_after: float) -> set[bytes]:
+    """The ids of the requests created after `created_after` (time.time()) that Redis
+    records as cancelled: not an earlier test's, whose cancel may be recorded late."""
     keys = list(redis_client.scan_iter(match="pdserve:req:*"))
+    records = [
+        (key, RequestRecord.from_json(value))
+        for key, value in zip(keys, redis_client.mget(keys) if keys else [], strict=True)
+        if value is not None
+    ]
     return {
         key
-        for key, value in zip(keys, redis_client.mget(keys) if keys else [], strict=True)
-        if value is not None and RequestRecord.from_json(value).status is RequestPhase.CANCELLED
+        for key, record in records
+        if record.status is RequestPhase.CANCELLED and record.created_at >= created_after
     }
 
 
 def test_a_cancelled_stream_cancels_its_request_and_frees_its_kv(cluster, redis_client):
     client = cluster["client"]
-    cancelled_before = _cancelled_requests(redis_client)
+    started = time.time()
     arrived: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: arrived.put((result, error)))
     try:
@@ -375,7 +381,7 @@ def test_a_cancelled_stream_cancels_its_request_and_frees_its_kv(cluster, redis_
     load = cluster["decode"].wait_idle(timeout_s=5)
     assert (load.free_blocks, load.open_leases, load.running) == (load.total_blocks, 0, 0)
     deadline = time.monotonic() + 5
-    while len(_cancelled_requests(redis_client) - cancelled_before) != 1:
+    while len(_cancelled_requests(redis_client, started)) != 1:
         assert time.monotonic() < deadline, "the request was never recorded as cancelled"
         time.sleep(0.05)
 
