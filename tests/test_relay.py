@@ -149,9 +149,12 @@ async def test_colocated_generations_stream_the_engines_tokens(cluster, referenc
 async def test_one_batch_carries_a_step_of_every_request(cluster):
     """What the call is for: concurrent requests share messages."""
     _, decode = cluster
+    # long enough that all eight run together even where the writes are slow (a loaded
+    # machine: with 12 tokens, each could finish before the next attach arrived)
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
     async with decode.channel() as channel:
         call = decode_pb2_grpc.DecodeStub(channel).Relay()
-        await attach_generations(call, prompts(8, seed=3), GREEDY)
+        await attach_generations(call, prompts(8, seed=3), params)
         finished, most_streams_in_a_batch = set(), 0
         while len(finished) < 8:
             batch = await call.read()
