@@ -75,8 +75,10 @@ class SpanCatcher(InMemorySpanExporter):
             self._arrived.notify_all()
         return result
 
-    def trace(self, trace_id: str, names: set[str], timeout_s: float = 20.0) -> list:
-        """The finished spans of `trace_id`, once every name in `names` is among them."""
+    def trace(self, trace_id: str, names: set, timeout_s: float = 20.0) -> list:
+        """The finished spans of `trace_id`, once every one of `names` is among them: a
+        name, or a (name, kind) where a client's span and its server's share the name
+        (the server's may come later: a worker hands its leaf spans over in batches)."""
 
         def spans():
             return [
@@ -85,8 +87,12 @@ class SpanCatcher(InMemorySpanExporter):
                 if format_trace_id(s.context.trace_id) == trace_id
             ]
 
+        def arrived() -> bool:
+            found = spans()
+            return names <= {s.name for s in found} | {(s.name, s.kind) for s in found}
+
         with self._arrived:
-            self._arrived.wait_for(lambda: names <= {s.name for s in spans()}, timeout_s)
+            self._arrived.wait_for(arrived, timeout_s)
         return spans()
 
 
@@ -199,7 +205,8 @@ def generate(stub, request_id: str, metadata=()) -> list[router_pb2.GenerateResp
 
 
 REQUEST_SPAN = "text_completion tiny"  # the demo model's directory is called tiny
-TREE = {REQUEST_SPAN, "route decode", "admit", "route prefill", "prefill"}
+TREE = {REQUEST_SPAN, "route decode", ("admit", SpanKind.CLIENT), ("admit", SpanKind.SERVER)}
+TREE |= {"route prefill", ("prefill", SpanKind.CLIENT), ("prefill", SpanKind.SERVER)}
 TREE |= {"kv_transfer send", "kv_transfer receive", "decode"}
 
 
@@ -315,6 +322,48 @@ def test_a_span_block_ends_its_span_restores_the_current_one_and_marks_errors(
     }
 
 
+def test_a_leaf_span_reaches_the_sdk_after_its_request_with_the_times_it_ran(
+    tracer_provider, catcher
+):
+    """A leaf costs its request no SDK call: the span exists once the flush runs, later."""
+
+    async def decide():
+        with tracing.span("request", "leaf-1") as parent:
+            before = time.time_ns()
+            with pytest.raises(KeyError), tracing.leaf_span("route decode", "leaf-1") as leaf:
+                leaf.set_attribute("pdserve.worker", "w:1")
+                raise KeyError("no worker")
+            after = time.time_ns()
+        trace_id = format_trace_id(parent.get_span_context().trace_id)
+        assert "route decode" not in {s.name for s in catcher.trace(trace_id, {"request"})}
+        return parent.get_span_context(), before, after
+
+    async def decide_then_wait():
+        decided = await decide()
+        await asyncio.sleep(tracing.LEAF_FLUSH_DELAY_S * 2)  # the flush due on this loop
+        return decided
+
+    parent, before, after = asyncio.run(decide_then_wait())
+    spans = catcher.trace(format_trace_id(parent.trace_id), {"route decode"})
+    span = one(spans, "route decode")
+    assert parent_of(span) == format_span_id(parent.span_id)
+    assert before <= span.start_time <= span.end_time <= after  # when it ran, not the flush
+    assert span.status.status_code == StatusCode.ERROR
+    assert dict(span.attributes) == {
+        "pdserve.request_id": "leaf-1",
+        "pdserve.worker": "w:1",
+        "error.type": "KeyError",
+    }
+
+
+def test_off_a_leaf_span_is_the_no_op_span(tracer_provider):
+    tracing.uninstall()
+    try:
+        assert tracing.leaf_span("route decode", "r") is INVALID_SPAN
+    finally:
+        tracing.install(tracer_provider)
+
+
 def test_worker_spans_say_what_prefill_and_decode_did(traced):
     messages, spans = traced
     prefill = one(spans, "prefill", SpanKind.SERVER).attributes
@@ -378,7 +427,7 @@ def test_a_failed_request_marks_its_spans_failed_with_the_error_type(router, cat
         list(router.Generate(request, timeout=60))
     assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     info = router.GetRequest(router_pb2.GetRequestRequest(request_id="failed-1"))
-    spans = catcher.trace(info.trace_id, {REQUEST_SPAN, "admit"})
+    spans = catcher.trace(info.trace_id, {REQUEST_SPAN, ("admit", SpanKind.SERVER)})
     request_span = one(spans, REQUEST_SPAN)
     assert request_span.status.status_code == StatusCode.ERROR
     assert request_span.attributes["error.type"] == "INVALID_ARGUMENT"

@@ -21,9 +21,12 @@ handler.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import os
+import threading
+import time
 from collections.abc import Callable, Mapping
 
 import grpc
@@ -129,6 +132,7 @@ def uninstall() -> None:
 def shutdown(provider) -> None:
     """Export what is still queued and stop (at the process's end); None: nothing to do."""
     if provider is not None:
+        flush_leaves()
         uninstall()
         provider.shutdown()
 
@@ -213,6 +217,159 @@ class _CurrentSpan:
         finally:
             otel_context.detach(self._token)
             self._span.end()
+
+
+# -- leaf spans: recorded on the request's path, handed to the SDK off it -----------------
+
+# How long a finished leaf span waits before the SDK sees it (with every other one finished
+# by then): after the request's first token, where it costs that token nothing.
+LEAF_FLUSH_DELAY_S = 0.2
+
+
+class LeafSpan:
+    """A span that has no children (a routing decision, a worker's Admit, the receiving
+    side of a KV push, a request's decode): while it runs it holds a clock reading, its
+    parent context and its attributes, nothing of the SDK's. Once it ends it waits in
+    `_leaves` and becomes an SDK span, with the times it ran, at the next flush.
+
+    An SDK span started on a request's path costs the request its time there (tens of
+    µs a span in a loop, hundreds in a server where the code is cold); a leaf's context
+    is never propagated, so nothing needs it to exist sooner. Spans with children start
+    through `start_span` / `span`: the next hop needs their ids.
+    """
+
+    __slots__ = (
+        "name",
+        "kind",
+        "parent",
+        "attributes",
+        "start_ns",
+        "end_ns",
+        "status",
+        "_recording",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        request_id: str,
+        kind: SpanKind,
+        parent: otel_context.Context | None,
+        attributes: Mapping[str, AttributeValue] | None,
+    ):
+        self.name, self.kind = name, kind
+        self.parent = otel_context.get_current() if parent is None else parent
+        self.attributes: dict[str, AttributeValue] = {REQUEST_ID: request_id}
+        if attributes:
+            self.attributes.update(attributes)
+        self.start_ns, self.end_ns = time.time_ns(), 0  # 0: running
+        self.status: Status | None = None
+        # Under the default samplers (parentbased_*) a child is sampled when its parent
+        # is: callers skip building attributes for one that would be dropped.
+        context = trace.get_current_span(self.parent).get_span_context()
+        self._recording = not context.is_valid or context.trace_flags.sampled
+
+    def is_recording(self) -> bool:
+        return self._recording
+
+    def set_attribute(self, key: str, value: AttributeValue) -> None:
+        self.attributes[key] = value
+
+    def set_attributes(self, attributes: Mapping[str, AttributeValue]) -> None:
+        self.attributes.update(attributes)
+
+    def set_status(self, status: Status) -> None:
+        self.status = status
+
+    def end(self) -> None:
+        """Once; the SDK gets it at the next flush (and its sampler decides then)."""
+        if not self.end_ns:
+            self.end_ns = time.time_ns()
+            _leaves.add(self)
+
+    def emit(self, tracer: trace.Tracer) -> None:
+        """The SDK span, with the times it ran (the sampler decides here, as at a start)."""
+        sdk_span = tracer.start_span(
+            self.name,
+            context=self.parent,
+            kind=self.kind,
+            attributes=self.attributes,
+            start_time=self.start_ns,
+        )
+        if self.status is not None:
+            sdk_span.set_status(self.status)
+        sdk_span.end(end_time=self.end_ns)
+
+    def __enter__(self) -> LeafSpan:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        if isinstance(exc, Exception):
+            set_error(self, exc)
+        self.end()
+
+
+class _Leaves:
+    """The process's ended leaf spans not yet handed to the SDK, and the one flush due.
+
+    Leaves end on event loops: the first to arrive schedules a flush on its loop,
+    `LEAF_FLUSH_DELAY_S` later (on another one if that loop stopped first); with no loop
+    running, a leaf goes to the SDK at once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ended: list[LeafSpan] = []
+        self._due_on: asyncio.AbstractEventLoop | None = None  # the loop a flush is due on
+
+    def add(self, leaf: LeafSpan) -> None:
+        with self._lock:
+            self._ended.append(leaf)
+            if self._due_on is not None and self._due_on.is_running():
+                return
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            self._due_on = loop
+        if loop is None:
+            self.flush()
+        else:
+            loop.call_later(LEAF_FLUSH_DELAY_S, self.flush)
+
+    def flush(self) -> None:
+        with self._lock:
+            ended, self._ended, self._due_on = self._ended, [], None
+        tracer = _state.tracer
+        if tracer is None:
+            return  # tracing stopped (tests): they would record nothing now
+        for leaf in ended:
+            leaf.emit(tracer)
+
+
+_leaves = _Leaves()
+
+
+def leaf_span(
+    name: str,
+    request_id: str,
+    *,
+    kind: SpanKind = SpanKind.INTERNAL,
+    parent: otel_context.Context | None = None,
+    attributes: Mapping[str, AttributeValue] | None = None,
+) -> LeafSpan | Span:
+    """A span with no children, started now (see LeafSpan), child of `parent` (None: of
+    the current span); the caller ends it, or uses it as a `with` block, which ends it
+    and marks it failed by an exception out of the block. Off: a span that records
+    nothing and costs nothing."""
+    if _state.tracer is None:
+        return INVALID_SPAN  # a `with` block too: it ends itself, a no-op
+    return LeafSpan(name, request_id, kind, parent, attributes)
+
+
+def flush_leaves() -> None:
+    """Hand every ended leaf span to the SDK now (at shutdown; tests)."""
+    _leaves.flush()
 
 
 def kv_transfer_attributes(num_layers: int, num_chunks: int, num_bytes: int) -> dict[str, int]:
