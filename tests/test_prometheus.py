@@ -54,6 +54,7 @@ ALERT_NAMES = {
     "PdserveQueueDepthHigh",
     "PdserveKVTransferFailing",
     "PdserveKVLeasesExpiring",
+    "PdserveOrphansExpiring",
 }
 CORE_PANELS = [
     "Time to first token",
