@@ -35,7 +35,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.disaggregation import PlacementMode
 from pdserve.router.session import Progress
 from pdserve.rpc.wire import sampling_params_to_proto
-from pdserve.telemetry import tracing
+from pdserve.telemetry import trace_export, tracing
 from pdserve.telemetry.request import RequestTelemetry
 from pdserve.worker import server as worker_server
 from pdserve.worker.config import WorkerConfig
@@ -474,10 +474,10 @@ def exporter_of(provider):
 
 
 def test_without_an_endpoint_tracing_is_off(otel_env):
-    assert tracing.provider_from_env("router") is None
+    assert trace_export.provider_from_env("router") is None
     otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
     otel_env.setenv("OTEL_SDK_DISABLED", "true")
-    assert tracing.provider_from_env("router") is None
+    assert trace_export.provider_from_env("router") is None
 
 
 @pytest.mark.parametrize(
@@ -488,7 +488,7 @@ def test_an_endpoint_turns_tracing_on_with_its_protocol(otel_env, protocol, modu
     otel_env.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:4317")
     if protocol is not None:
         otel_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
-    provider = tracing.provider_from_env("decode")
+    provider = trace_export.provider_from_env("decode")
     try:
         exporter = exporter_of(provider)
         assert type(exporter).__module__.startswith(f"opentelemetry.exporter.otlp.proto.{module}")
@@ -501,7 +501,7 @@ def test_an_unknown_protocol_is_refused(otel_env):
     otel_env.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4317")
     otel_env.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
     with pytest.raises(ValueError, match="http/json"):
-        tracing.provider_from_env("router")
+        trace_export.provider_from_env("router")
 
 
 def test_service_name_resource_and_sampler_come_from_the_variables(otel_env):
@@ -509,7 +509,7 @@ def test_service_name_resource_and_sampler_come_from_the_variables(otel_env):
     otel_env.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=staging")
     otel_env.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
     otel_env.setenv("OTEL_TRACES_SAMPLER_ARG", "0.25")
-    provider = tracing.provider_from_env("prefill")
+    provider = trace_export.provider_from_env("prefill")
     try:
         attributes = provider.resource.attributes
         assert attributes["service.name"] == "pdserve-prefill"  # the role's, by default
@@ -518,7 +518,7 @@ def test_service_name_resource_and_sampler_come_from_the_variables(otel_env):
     finally:
         provider.shutdown()
     otel_env.setenv("OTEL_SERVICE_NAME", "edge-router")
-    provider = tracing.provider_from_env("router")
+    provider = trace_export.provider_from_env("router")
     try:
         assert provider.resource.attributes["service.name"] == "edge-router"
     finally:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pdserve.core.flags import to_args
 from pdserve.router.config import RouterConfig
 from pdserve.rpc.server import READY_LINE
-from pdserve.telemetry.tracing import service_name
+from pdserve.telemetry.trace_export import service_name
 from pdserve.worker.config import WorkerConfig
 
 READY_TIMEOUT_S = 180.0

@@ -1,12 +1,6 @@
-"""Traces: OpenTelemetry set up from the standard OTEL_* variables, and W3C trace context
-carried in gRPC metadata on every hop of a request.
-
-Tracing is on when OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is
-set and OTEL_SDK_DISABLED is not `true`. `configure` then installs a TracerProvider with
-a BatchSpanProcessor and an OTLP exporter (OTEL_EXPORTER_OTLP_PROTOCOL: `grpc`, the
-default, or `http/protobuf`). The SDK itself reads the rest: OTEL_TRACES_SAMPLER(_ARG),
-OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME, OTEL_BSP_*, OTEL_EXPORTER_OTLP_* (headers,
-timeouts, TLS). `service.name` defaults to the process's role: `pdserve-router`, ...
+"""Traces: a request's spans, and W3C trace context carried in gRPC metadata on every hop
+of a request. Where spans go (the provider and its OTLP exporter, from the OTEL_*
+variables): telemetry/trace_export.py; `configure` installs what it makes.
 
 Off, nothing is installed and nothing is exported: `start_span` hands back a span that
 records nothing without calling the SDK, channels get no interceptor, handlers attach no
@@ -24,10 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import grpc
 from opentelemetry import context as otel_context
@@ -35,68 +28,11 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
+from pdserve.telemetry.trace_export import provider_from_env
+
 TRACER_NAME = "pdserve"
 REQUEST_ID = "pdserve.request_id"  # on every span of a request: find its trace from its id
 ERROR_TYPE = "error.type"
-ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-
-
-def service_name(role: str) -> str:
-    """A process's `service.name` when OTEL_SERVICE_NAME does not set one."""
-    return f"pdserve-{role}"
-
-
-def _grpc_exporter():
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-    return OTLPSpanExporter()
-
-
-def _http_exporter():
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    return OTLPSpanExporter()
-
-
-# OTEL_EXPORTER_OTLP_PROTOCOL's values and their exporters (each reads its own variables).
-EXPORTERS: dict[str, Callable[[], object]] = {
-    "grpc": _grpc_exporter,
-    "http/protobuf": _http_exporter,
-}
-
-
-def tracing_requested() -> bool:
-    """Whether the OTEL_* variables ask for traces (an endpoint, and the SDK not disabled)."""
-    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return False
-    return any(os.environ.get(name) for name in ENDPOINT_VARIABLES)
-
-
-def provider_from_env(role: str):
-    """A TracerProvider exporting over OTLP as the OTEL_* variables say; None when they
-    do not ask for traces. Raises ValueError for a protocol pdserve does not speak."""
-    if not tracing_requested():
-        return None
-    from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
-    )
-    exporter = EXPORTERS.get(protocol.strip())
-    if exporter is None:
-        raise ValueError(
-            f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: pdserve exports traces over "
-            + " or ".join(sorted(EXPORTERS))
-        )
-    # Attributes given to Resource.create win over the variables': name the role only
-    # where neither OTEL_SERVICE_NAME nor OTEL_RESOURCE_ATTRIBUTES names the service.
-    named = OTELResourceDetector().detect().attributes.get(SERVICE_NAME)
-    resource = Resource.create({} if named else {SERVICE_NAME: service_name(role)})
-    provider = TracerProvider(resource=resource)  # the sampler from OTEL_TRACES_SAMPLER
-    provider.add_span_processor(BatchSpanProcessor(exporter()))
-    return provider
 
 
 class _Tracing:
@@ -112,7 +48,7 @@ _state = _Tracing()
 def configure(role: str):
     """Set up tracing for this process from the OTEL_* variables (once, at start-up);
     returns the provider to `shutdown` at the end, or None when tracing is off."""
-    provider = provider_from_env(role)
+    provider = provider_from_env(role)  # None: the variables do not ask for traces
     if provider is not None:
         trace.set_tracer_provider(provider)
         install(provider)
@@ -222,7 +158,8 @@ class _CurrentSpan:
 # -- leaf spans: recorded on the request's path, handed to the SDK off it -----------------
 
 # How long a finished leaf span waits before the SDK sees it (with every other one finished
-# by then): after the request's first token, where it costs that token nothing.
+# by then): past its request's first token. The work still lands on whatever request runs
+# then; it leaves the path of the one that made the span.
 LEAF_FLUSH_DELAY_S = 0.2
 
 
