@@ -279,7 +279,7 @@ class ProcessMetrics:
     def watch_worker(self, worker: WatchedWorker, orphans: WatchedOrphans | None = None) -> None:
         """Serve the worker's engine gauges and counters, its leases and, on a worker that
         decodes, its orphans (`--orphan-timeout`) from now on."""
-        self.registry.register(WorkerCollector(worker, orphans, list(self.labels.values)))
+        self.registry.register(WorkerCollector(worker, orphans, LABELS, self.labels.values))
 
     def watch_relays(self, relays: WatchedRelays) -> None:
         """Serve the number of requests on the router's relay calls as `relay_streams`."""

@@ -4,12 +4,10 @@ of a worker's metrics (`metrics.ProcessMetrics.watch_worker`), in a module of th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-
-LABELS = ("model_name", "role", "worker")  # as every pdserve metric (metrics.LABELS)
 
 
 class WatchedWorker(Protocol):
@@ -36,8 +34,15 @@ class WorkerCollector:
     (ints and lengths, each read whole under the GIL), never iterates what they change.
     """
 
-    def __init__(self, worker: WatchedWorker, orphans: WatchedOrphans | None, labels: list[str]):
-        self._worker, self._orphans, self._labels = worker, orphans, labels  # LABELS' values
+    def __init__(
+        self,
+        worker: WatchedWorker,
+        orphans: WatchedOrphans | None,
+        label_names: Sequence[str],
+        label_values: Sequence[str],
+    ):
+        self._worker, self._orphans = worker, orphans
+        self._label_names, self._label_values = list(label_names), list(label_values)
 
     def collect(self) -> Iterator[Metric]:
         worker, orphans = self._worker, self._orphans
@@ -62,6 +67,6 @@ class WorkerCollector:
             )
         for family, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, documentation, value in rows:
-                metric = family(f"pdserve:{name}", documentation, labels=LABELS)
-                metric.add_metric(self._labels, value)
+                metric = family(f"pdserve:{name}", documentation, labels=self._label_names)
+                metric.add_metric(self._label_values, value)
                 yield metric
