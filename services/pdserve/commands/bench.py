@@ -14,7 +14,6 @@ import contextlib
 import os
 import random
 import shlex
-import signal
 import statistics
 import time
 from dataclasses import dataclass
@@ -211,9 +210,6 @@ def run(args: argparse.Namespace) -> int:
     machine = facts(args.threads)
     try:
         with contextlib.ExitStack() as stack:
-            # SIGTERM stops the clusters this run started, as Ctrl-C does: they run in
-            # sessions of their own, so nothing else would stop them
-            stack.enter_context(_terminate_as_interrupt())
             targets = _start_targets(args, model, config.shapes, out, stack, console, connection)
             model, configs = asyncio.run(_measure(config, targets, console))
     except (RuntimeError, OSError, PdserveError) as exc:
@@ -232,25 +228,6 @@ def run(args: argparse.Namespace) -> int:
     print(paths[1].read_text())
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt():
-    """While inside: SIGTERM raises KeyboardInterrupt (the main thread's; elsewhere the
-    handler cannot be set, and nothing changes)."""
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def write_outputs(result: BenchResult, out: Path, timeline_rate: float) -> list[Path]:
