@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.worker.engine_loop import EXPORT_DONE, EngineLoop, KVExport
+from pdserve.worker.engine_loop import EXPORT_DONE, LAYERWISE_MIN_TOKENS, EngineLoop, KVExport
 
 
 def exported(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list]:
@@ -20,7 +21,7 @@ def exported(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, list]:
         exports[request_id] = KVExport(request_id)
         loop.add_export(exports[request_id])
     while engine.has_unfinished_requests():
-        engine.step(loop._export_layer)
+        loop._run_step()
     result = {}
     for request_id, export in exports.items():
         items = []
@@ -50,3 +51,48 @@ def test_a_prefix_cache_hit_still_ships_the_cached_blocks(demo_model_dir):
     [items] = exported(engine, [shared + [61, 62]]).values()
     layer0 = [b for layer, ids in items if layer == 0 for b in ids]
     assert layer0 == [0, 1, 2, 3]
+
+
+class TimedQueue:
+    """Stands in for an export's queue: when each item arrived."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, item) -> None:
+        self.times.append(time.perf_counter())
+
+
+@pytest.mark.parametrize(
+    ("prompt_tokens", "layer_by_layer"),
+    [(LAYERWISE_MIN_TOKENS - 1, False), (LAYERWISE_MIN_TOKENS, True)],
+)
+def test_a_step_exporting_little_hands_its_kv_over_when_it_ends(
+    demo_model_dir, prompt_tokens, layer_by_layer
+):
+    engine = LLMEngine.from_pretrained(demo_model_dir, max_num_batched_tokens=2048)
+    loop = EngineLoop(engine, asyncio.new_event_loop())  # its thread is never started
+    steps: list[tuple[float, float]] = []
+    step = engine.step
+
+    def timed_step(on_layer_done):
+        started = time.perf_counter()
+        try:
+            return step(on_layer_done)
+        finally:
+            steps.append((started, time.perf_counter()))
+
+    engine.step = timed_step
+    prompt = [3 + i % 900 for i in range(prompt_tokens)]
+    engine.add_request(prompt, SamplingParams(max_tokens=1), "r")
+    export = KVExport("r", chunks=TimedQueue())
+    loop.add_export(export)
+    loop._run_step()
+
+    [(started, ended)] = steps
+    num_layers = engine.model_config.num_layers
+    assert len(export.chunks.times) == num_layers + 1  # every layer's chunk, then the end
+    assert all(started < t for t in export.chunks.times)
+    # while the step runs, or every one after it
+    assert (export.chunks.times[0] < ended) is layer_by_layer
+    assert all(t > ended for t in export.chunks.times) is not layer_by_layer
