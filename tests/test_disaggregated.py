@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 
 import grpc
 import pytest
@@ -276,15 +277,18 @@ def test_a_lease_whose_kv_never_arrives_expires_and_frees_its_blocks(cluster):
     )
 
 
-async def test_a_renewed_lease_outlives_its_ttl_and_expires_once_renewals_stop(cluster):
+@pytest.mark.parametrize("known_ttl", [True, False], ids=["ttl-granted", "ttl-unknown"])
+async def test_a_renewed_lease_outlives_its_ttl_and_expires_once_renewals_stop(cluster, known_ttl):
     from pdserve.api.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
     from pdserve.worker.prefill import keep_lease_open
 
     _, (decode, _) = cluster
     lease = admit(decode, prompts([60], seed=9)[0], ttl_ms=300)
+    assert lease.ttl_ms == 300  # as granted: the first renewal waits a third of it
     async with decode.channel() as channel:
         kv = kv_transfer_pb2_grpc.KVTransferStub(channel)
-        keeper = asyncio.create_task(keep_lease_open(kv, lease.lease_id))
+        ttl_ms = lease.ttl_ms if known_ttl else 0  # 0: renewed at once, to learn it
+        keeper = asyncio.create_task(keep_lease_open(kv, lease.lease_id, ttl_ms))
         await asyncio.sleep(1.2)  # four TTLs: what a prompt queued on the prefill worker waits
         assert not keeper.done()
         renewed = await kv.RenewLease(kv_transfer_pb2.RenewLeaseRequest(lease_id=lease.lease_id))
@@ -439,6 +443,16 @@ async def test_a_stream_call_sends_its_lease_s_tokens_by_stream_interval(cluster
     last = messages[-1]
     assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (40, 30)
+    assert_idle(decode)
+
+
+async def test_a_prefill_answer_says_how_long_the_worker_took_within_the_caller_s_wait(cluster):
+    prefill, (decode, _) = cluster
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    started = time.perf_counter()
+    first, _ = await stream_call(prefill, decode, prompts([40], seed=13)[0], params)
+    waited_ms = (time.perf_counter() - started) * 1000
+    assert 0 < first.prefill_ms < waited_ms  # the rest is the hop the router measures
     assert_idle(decode)
 
 

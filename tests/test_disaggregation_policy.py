@@ -21,11 +21,13 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.router.config import RouterConfig
 from pdserve.router.disaggregation import (
     DEFAULT_PREFILL_TOKENS_PER_S,
-    REMOTE_HOP_MS,
+    DEFAULT_REMOTE_HOP_MS,
+    HOP_SAMPLES,
     LiveColocation,
     Placement,
     PlacementMode,
     Reason,
+    RemoteHop,
     Snapshot,
     Targets,
     WorkerLoad,
@@ -65,7 +67,7 @@ def test_the_estimates_follow_the_documented_formulas():
 
     # remote: half of max(a step, a full 512-token step) + max(a step, (min(3000, 3 * 40)
     # + 40) / 2 per ms, the 512 tokens of the step it joins / 2 per ms) + the hop
-    assert d.remote_ttft_ms == pytest.approx(256 / 2 + 256 + REMOTE_HOP_MS)
+    assert d.remote_ttft_ms == pytest.approx(256 / 2 + 256 + DEFAULT_REMOTE_HOP_MS)
     # colocated (no budget reported): half a step + max(a step, (min(20, 4 * 40) + 40) / 2)
     assert d.colocated_ttft_ms == pytest.approx(8 + 30)
     # the stall: (20 + 40) / 2; TPOT: the step + the stall over 31 - 1 tokens
@@ -80,20 +82,20 @@ def test_a_short_prompt_joining_a_busy_worker_waits_a_whole_chunk_for_its_first_
     # its budget is what tells the step's length.
     behind_one_long = load(queued_tokens=1500, num_queued=1, step_ms=0.0, budget=512)
     d = decide(snapshot(40, load(), behind_one_long), TARGETS)
-    assert d.remote_ttft_ms == pytest.approx(256 / 2 + 256 + REMOTE_HOP_MS)
+    assert d.remote_ttft_ms == pytest.approx(256 / 2 + 256 + DEFAULT_REMOTE_HOP_MS)
     assert d.colocated
 
 
 def test_without_a_budget_the_step_time_stands_for_the_step_a_prompt_joins():
     behind_one_long = load(queued_tokens=1500, num_queued=1, step_ms=400.0)
     d = decide(snapshot(40, load(), behind_one_long), TARGETS)
-    assert d.remote_ttft_ms == pytest.approx(200 + 400 + REMOTE_HOP_MS)
+    assert d.remote_ttft_ms == pytest.approx(200 + 400 + DEFAULT_REMOTE_HOP_MS)
 
 
 def test_a_cached_prefix_counts_only_the_uncached_tokens():
     d = decide(snapshot(100, load(cached=96), load(cached=0)), TARGETS)
     assert d.colocated_ttft_ms == pytest.approx(2.0)  # 4 tokens at 2 per ms
-    assert d.remote_ttft_ms == pytest.approx(50 + REMOTE_HOP_MS)
+    assert d.remote_ttft_ms == pytest.approx(50 + DEFAULT_REMOTE_HOP_MS)
 
 
 def test_without_a_measured_rate_the_conservative_default_stands():
@@ -108,7 +110,7 @@ def test_on_a_quiet_cluster_a_short_prompt_is_prefilled_where_it_is_decoded():
     # the same compute either way, so the hop decides: no transfer, no second call
     d = decide(snapshot(40, load(), load()), TARGETS)
     assert (d.placement, d.reason) == (Placement.COLOCATED, Reason.COLOCATED_FASTER)
-    assert d.remote_ttft_ms == pytest.approx(d.colocated_ttft_ms + REMOTE_HOP_MS)
+    assert d.remote_ttft_ms == pytest.approx(d.colocated_ttft_ms + DEFAULT_REMOTE_HOP_MS)
 
 
 def test_a_prompt_whose_prefill_would_hold_up_the_decode_worker_goes_to_the_pool():
@@ -195,7 +197,42 @@ def test_where_both_are_allowed_the_faster_one_wins():
 
 def test_the_best_of_several_prefill_workers_is_the_remote_estimate():
     d = decide(snapshot(40, load(), load(queued_tokens=9000, num_queued=9), load()), TARGETS)
-    assert d.remote_ttft_ms == pytest.approx(20 + REMOTE_HOP_MS)
+    assert d.remote_ttft_ms == pytest.approx(20 + DEFAULT_REMOTE_HOP_MS)
+
+
+def test_the_hop_is_the_median_of_recent_remote_requests_less_their_workers_own_time():
+    hop = RemoteHop()
+    assert hop.ms == DEFAULT_REMOTE_HOP_MS  # before any remote request
+    hop.observe(waited_ms=60.0, prefill_ms=50.0)
+    assert hop.ms == 10.0
+    hop.observe(waited_ms=80.0, prefill_ms=50.0)
+    hop.observe(waited_ms=55.0, prefill_ms=50.0)
+    assert hop.ms == 10.0  # the median of 10, 30 and 5: one slow call moves it little
+    hop.observe(waited_ms=70.0, prefill_ms=0.0)  # a worker that does not say
+    assert hop.ms == 10.0
+    for _ in range(HOP_SAMPLES):
+        hop.observe(waited_ms=44.0, prefill_ms=50.0)  # clocks apart: never below 0
+    assert hop.ms == 0.0  # only the last HOP_SAMPLES count
+
+
+def test_the_measured_hop_is_what_the_remote_estimate_adds():
+    decode = load(num_queued=2, step_ms=30.0)  # colocated: 15 + max(30, 20) = 45 ms
+    pool = load()  # remote: 20 ms + the hop
+    loose = Targets(ttft_s=0.2, tpot_s=0.2)
+    slow = decide(Snapshot(40, decode, (pool,), RATE, remote_hop_ms=30.0), loose)
+    fast = decide(Snapshot(40, decode, (pool,), RATE, remote_hop_ms=5.0), loose)
+    assert (slow.placement, slow.reason) == (Placement.COLOCATED, Reason.COLOCATED_FASTER)
+    assert (fast.placement, fast.reason) == (Placement.REMOTE, Reason.REMOTE_FASTER)
+    assert fast.remote_ttft_ms == pytest.approx(20 + 5)
+    assert fast.attributes()["pdserve.placement.remote_hop_ms"] == 5.0
+
+
+def test_live_colocation_weighs_the_hop_it_measured():
+    colocation = LiveColocation(TARGETS)
+    colocation.hop.observe(waited_ms=57.0, prefill_ms=50.0)
+    decode, pool = worker("d:1", "decode"), worker("p:1", "prefill")
+    d = colocation.decide(decode, [pool], [], 40)
+    assert d.snapshot.remote_hop_ms == 7.0
 
 
 def test_no_prefill_worker_means_colocated():
@@ -361,6 +398,9 @@ async def test_a_short_prompt_behind_long_prefills_is_colocated_and_a_long_one_i
         text = answer.read().decode()
     assert _has_series(text, outcome="colocated", reason="colocated_faster")
     assert _has_series(text, outcome="cache_miss", reason="decode_stall")
+    # measured on the long prompts' remote path
+    [hop] = [line for line in text.splitlines() if line.startswith("pdserve:remote_hop_seconds{")]
+    assert 0 < float(hop.rsplit(" ", 1)[1]) != DEFAULT_REMOTE_HOP_MS / 1000
 
 
 def _has_series(text: str, **labels: str) -> bool:

@@ -41,7 +41,7 @@ not report one) and `step` its recent step time:
                                              fills it to the budget, so a short prompt
                                              behind a long one's chunks waits a whole
                                              chunk for its token
-    remote     = min over prefill workers of ttft + REMOTE_HOP_MS
+    remote     = min over prefill workers of ttft + hop
     colocated  = ttft on the decode worker
     stall      = (Q + U) / rate on the decode worker: what its steps take longer, all
                  together, to prefill the prompt and what is queued before it there
@@ -49,6 +49,10 @@ not report one) and `step` its recent step time:
                  (TPOT averages a request's whole output, so a longer step is shared by
                  its tokens; the one with the fewest feels it most); step alone when
                  nothing runs there
+
+`hop` is what the remote path adds to the prefill worker's own time: the median of the
+router's recent remote requests, each its wait from Admit to the first token less the
+time the prefill worker says it took (`RemoteHop`); DEFAULT_REMOTE_HOP_MS before any.
 
 A fixed `--colocate-below N` replaces the decision, and `--prefill-placement` with it:
 prompts under N tokens (or almost entirely cached there) are colocated, the others
@@ -58,6 +62,8 @@ remote, whatever the load.
 from __future__ import annotations
 
 import enum
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,14 +73,36 @@ from pdserve.router.policy import CachedHashSets, ColocationRule, cached_prefix_
 # Before any worker measured its prefill speed: a small model on a few CPU cores. Low on
 # purpose: a slow guess keeps prompts remote rather than stall a decode worker.
 DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
-# What the remote path adds to a prompt's TTFT when nothing queues: Admit (which waits for
-# the decode worker's step in progress), the Prefill call, the KV hand-off's first layer.
-# Measured: a 16-64-token prompt alone took 75 ms to its first token on a prefill and a
-# decode worker, 56 ms on one colocated worker (docs/benchmarks.md, issue 16).
-REMOTE_HOP_MS = 20.0
+# What the remote path adds to a prompt's TTFT (the Admit and Prefill calls) until the
+# router has measured it: a 16-64-token prompt alone took 75 ms to its first token on a
+# prefill and a decode worker, 56 ms on one colocated worker (docs/benchmarks.md, issue 16).
+DEFAULT_REMOTE_HOP_MS = 20.0
+# The hop is the median of this many recent remote requests' own.
+HOP_SAMPLES = 32
 DEFAULT_TTFT_TARGET_S = 0.25
 DEFAULT_TPOT_TARGET_S = 0.05
 MS = 1000.0
+
+
+class RemoteHop:
+    """What the remote path adds to a prompt's TTFT, measured on the router's own remote
+    requests: the median of the last HOP_SAMPLES, DEFAULT_REMOTE_HOP_MS before any. Each
+    is the router's wait from Admit to the first token less the prefill worker's own time
+    (its queue and compute, which the estimates model from the load reports)."""
+
+    __slots__ = ("_samples", "ms")
+
+    def __init__(self) -> None:
+        self._samples: deque[float] = deque(maxlen=HOP_SAMPLES)
+        self.ms = DEFAULT_REMOTE_HOP_MS
+
+    def observe(self, waited_ms: float, prefill_ms: float) -> None:
+        """One remote request: the router waited `waited_ms`, its worker took `prefill_ms`
+        (0: a worker that does not say, which teaches nothing)."""
+        if prefill_ms <= 0:
+            return
+        self._samples.append(max(waited_ms - prefill_ms, 0.0))
+        self.ms = statistics.median(self._samples)
 
 
 class PlacementMode(enum.StrEnum):
@@ -172,6 +200,7 @@ class Snapshot:
     decode: WorkerLoad  # the decode worker chosen for the request
     prefill: tuple[WorkerLoad, ...]  # the prefill candidates (healthy, not the decode one)
     prefill_tokens_per_s: float  # measured; 0: no worker has yet
+    remote_hop_ms: float = DEFAULT_REMOTE_HOP_MS  # what the remote path adds (`RemoteHop`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +249,7 @@ class Decision:
                     best.queued_prefill_tokens if best else 0
                 ),
                 "pdserve.placement.prefill_tokens_per_s": s.prefill_tokens_per_s,
+                "pdserve.placement.remote_hop_ms": s.remote_hop_ms,
             }
         )
         return attributes
@@ -241,7 +271,7 @@ def decide(
     rate = s.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S
     n = s.num_prompt_tokens
     colocated_ms = s.decode.ttft_ms(n, rate)
-    remote_ms = min((w.ttft_ms(n, rate) + REMOTE_HOP_MS for w in s.prefill), default=float("nan"))
+    remote_ms = min((w.ttft_ms(n, rate) + s.remote_hop_ms for w in s.prefill), default=float("nan"))
     stall_ms = s.decode.stall_ms(n, rate)
     tpot_ms = s.decode.tpot_ms(stall_ms)
 
@@ -266,8 +296,9 @@ def decide(
 
 
 class LiveColocation:
-    """The router's placement decision: its targets, mode and fixed override, and the
-    prefix-cache sets it reads the workers' reports through (built once per report)."""
+    """The router's placement decision: its targets, mode and fixed override, the
+    remote hop it measures, and the prefix-cache sets it reads the workers' reports
+    through (built once per report)."""
 
     def __init__(
         self,
@@ -276,6 +307,7 @@ class LiveColocation:
         mode: PlacementMode = PlacementMode.LIVE,
     ):
         self.targets, self.rule, self.mode = targets, rule or ColocationRule(), mode
+        self.hop = RemoteHop()
         self._hash_sets = CachedHashSets()
 
     def decide(
@@ -294,6 +326,7 @@ class LiveColocation:
             self._load(decode, block_hashes, num_prompt_tokens),
             tuple(self._load(w, block_hashes, num_prompt_tokens) for w in candidates),
             max((w.prefill_tokens_per_s for w in (decode, *candidates)), default=0.0),
+            self.hop.ms,
         )
         return decide(snapshot, self.targets, self.rule, self.mode)
 

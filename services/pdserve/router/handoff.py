@@ -262,7 +262,11 @@ class HandOff:
         stub = prefill_pb2_grpc.PrefillStub(self.channels.get(prefill_address))
         # the decode worker's KVTransfer: its own port (--kv-port) when the lease names one
         kv_address = admission.lease.kv_address or admission.decode_address
-        target = prefill_pb2.KVTarget(address=kv_address, lease_id=admission.lease.lease_id)
+        target = prefill_pb2.KVTarget(
+            address=kv_address,
+            lease_id=admission.lease.lease_id,
+            lease_ttl_ms=admission.lease.ttl_ms,
+        )
         request = prefill_pb2.PrefillRequest(
             request_id=attempt.request_id,
             prompt_token_ids=attempt.prompt,

@@ -8,6 +8,7 @@ when a worker refuses. Retrying a whole attempt is the session's (`router.sessio
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -185,10 +186,14 @@ class RequestRunner:
         if placement.colocated:
             await self._colocated(decodes[0], attempt, events, placement.reason)
             return
+        failures, asked = len(attempt.history.failures), time.perf_counter()
         admission = await self._admit(decodes, attempt, events)
         stream = self.handoff.attach(admission, attempt)
         try:
             response = await self._prefill(pool.prefill, admission, attempt, events)
+            if len(attempt.history.failures) == failures:  # no refusal on the way: the hop
+                waited_ms = (time.perf_counter() - asked) * 1000
+                self.config.colocation.hop.observe(waited_ms, response.prefill_ms)
             cached_tokens = response.usage.cached_prompt_tokens
             hit = RoutingOutcome.CACHE_HIT if cached_tokens else RoutingOutcome.CACHE_MISS
             metrics.routing_decision(self.prefill_policy.name, hit, placement.reason)

@@ -147,6 +147,7 @@ class RouterApp:
         fields: dict[str, object] = {"id": config.router_id}
         if self.metrics is not None:
             self.metrics.watch_relays(self.runner.handoff.relays)
+            self.metrics.watch_remote_hop(self.runner.config.colocation.hop)
             self.metrics.router.admission.watch(self.frontend.admission)
             fields["metrics"] = self.metrics.address
         if config.http_port is not None:

@@ -181,6 +181,13 @@ class _RouterMetrics:
             LABELS,
             registry=registry,
         ).labels(*labels)
+        self.remote_hop = Gauge(
+            "pdserve:remote_hop_seconds",
+            "What the remote prefill path adds to a prompt's TTFT, as the router measures "
+            "it on its recent remote requests (and weighs it in each placement decision)",
+            LABELS,
+            registry=registry,
+        ).labels(*labels)
 
     def record(self, summary: RequestSummary) -> None:
         if summary.first_token_at:  # the prompt was computed and its first token sent
@@ -254,6 +261,13 @@ class WatchedRelays(Protocol):
     def num_streams(self) -> int: ...
 
 
+class WatchedHop(Protocol):
+    """What `remote_hop_seconds` reads (`pdserve.router.disaggregation.RemoteHop`)."""
+
+    @property
+    def ms(self) -> float: ...
+
+
 class ProcessMetrics:
     """This process's metrics, in a registry of its own, and the endpoint serving them.
 
@@ -284,6 +298,10 @@ class ProcessMetrics:
     def watch_relays(self, relays: WatchedRelays) -> None:
         """Serve the number of requests on the router's relay calls as `relay_streams`."""
         self.router.relay_streams.set_function(lambda: relays.num_streams)
+
+    def watch_remote_hop(self, hop: WatchedHop) -> None:
+        """Serve the router's measured remote hop as `remote_hop_seconds`."""
+        self.router.remote_hop.set_function(lambda: hop.ms / 1000)
 
     def close(self) -> None:
         """Stop serving; the process records nothing more."""

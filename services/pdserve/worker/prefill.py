@@ -39,9 +39,13 @@ RENEW_RETRY_S = 0.5
 RENEW_TIMEOUT_S = 5.0
 
 
-async def keep_lease_open(kv: kv_transfer_pb2_grpc.KVTransferStub, lease_id: str) -> None:
+async def keep_lease_open(
+    kv: kv_transfer_pb2_grpc.KVTransferStub, lease_id: str, ttl_ms: int = 0
+) -> None:
     """Renew the decode worker's lease until cancelled: while the prompt queues and
-    computes here, and until its KV is committed.
+    computes here, and until its KV is committed. The first renewal comes a third of
+    the lease's TTL (`ttl_ms`, as granted) after the call, or at once when it is unknown
+    (0): a renewal during the prompt's compute competes with it for this process.
 
     A lease's TTL bounds how long a dead prefill worker can strand the decode worker's
     blocks; it must not also bound how long a prompt may wait here. Without renewals,
@@ -49,6 +53,8 @@ async def keep_lease_open(kv: kv_transfer_pb2_grpc.KVTransferStub, lease_id: str
     prefilled them again from scratch. Stops quietly once the lease has ended (the push
     or the commit reports why) or when the decode worker cannot renew (UNIMPLEMENTED).
     """
+    if ttl_ms:
+        await asyncio.sleep(_renewal_interval_s(ttl_ms))
     while True:
         try:
             reply = await kv.RenewLease(
@@ -61,7 +67,11 @@ async def keep_lease_open(kv: kv_transfer_pb2_grpc.KVTransferStub, lease_id: str
                 return
             await asyncio.sleep(RENEW_RETRY_S)
             continue
-        await asyncio.sleep(max(reply.ttl_ms / 1000 / RENEWALS_PER_TTL, RENEW_RETRY_S / 10))
+        await asyncio.sleep(_renewal_interval_s(reply.ttl_ms))
+
+
+def _renewal_interval_s(ttl_ms: int) -> float:
+    return max(ttl_ms / 1000 / RENEWALS_PER_TTL, RENEW_RETRY_S / 10)
 
 
 class PrefillAbandonedError(Exception):
@@ -142,9 +152,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         with tracing.span("prefill", request.request_id, kind=SpanKind.SERVER) as span:
             started = time.monotonic()
             first, reason = await self._prefill(request)
+            done = time.monotonic()
             if span.is_recording():
-                span.set_attributes(prefill_attributes(first, started, time.monotonic()))
-        return prefill_response_to_proto(first, reason)
+                span.set_attributes(prefill_attributes(first, started, done))
+        return prefill_response_to_proto(first, reason, (done - started) * 1000)
 
     async def _prefill(self, request) -> tuple[RequestOutput, str | None]:
         """Run the prompt and start its KV hand-off: the first token, and why the request
@@ -162,7 +173,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             self.peers.release(peer, exc)
             raise
         export, push = KVExport(request_id), None
-        keeper = asyncio.create_task(keep_lease_open(peer.kv, lease_id))
+        keeper = asyncio.create_task(
+            keep_lease_open(peer.kv, lease_id, request.target.lease_ttl_ms)
+        )
         try:
             await peer.handshake(worker)
             sink = worker.loop.open_sink(request_id)

@@ -21,18 +21,20 @@ class AdmitRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("lease_id", "num_blocks", "deadline_unix_ms", "layout", "kv_address")
+    __slots__ = ("lease_id", "num_blocks", "deadline_unix_ms", "layout", "kv_address", "ttl_ms")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     num_blocks: int
     deadline_unix_ms: int
     layout: _kv_transfer_pb2.KVLayout
     kv_address: str
-    def __init__(self, lease_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., layout: _Optional[_Union[_kv_transfer_pb2.KVLayout, _Mapping]] = ..., kv_address: _Optional[str] = ...) -> None: ...
+    ttl_ms: int
+    def __init__(self, lease_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ..., layout: _Optional[_Union[_kv_transfer_pb2.KVLayout, _Mapping]] = ..., kv_address: _Optional[str] = ..., ttl_ms: _Optional[int] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("lease_id", "stream_interval")

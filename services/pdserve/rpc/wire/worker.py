@@ -79,6 +79,7 @@ def lease_to_proto(
         deadline_unix_ms=lease.deadline_unix_ms,
         layout=layout,
         kv_address=kv_address,
+        ttl_ms=round(lease.ttl_s * 1000),
     )
 
 
@@ -110,14 +111,15 @@ def worker_load_to_proto(info: WorkerInfo) -> decode_pb2.WorkerLoad:
 
 
 def prefill_response_to_proto(
-    first: RequestOutput, finish_reason: str | None
+    first: RequestOutput, finish_reason: str | None, prefill_ms: float = 0.0
 ) -> prefill_pb2.PrefillResponse:
-    """A prefill's answer: its first token, and why the request ends there (None: it
-    goes on at the decode worker)."""
+    """A prefill's answer: its first token, why the request ends there (None: it goes
+    on at the decode worker), and how long the worker took to it."""
     response = prefill_pb2.PrefillResponse(
         first_token_id=first.token_ids[0],
         text=first.text,
         finish_reason=FINISH_REASONS[finish_reason],
+        prefill_ms=prefill_ms,
     )
     if first.logprobs:
         response.logprobs.CopyFrom(logprobs_to_proto(first.logprobs[0]))
