@@ -425,3 +425,60 @@ def test_a_tiny_sweep_writes_results_that_add_up(demo_model_dir, tmp_path, monke
     for figure in ("custom-cdf.png", "custom-vs-rate.png", "custom-timeline.png"):
         data = (out / figure).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) < 200_000
+
+
+def _children_of(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                # the fields after the command's closing parenthesis: state, ppid, ...
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                children.append(int(entry.name))
+    return children
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; its parent has not read its status yet
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("shapes", "after"),
+    [
+        (["colocated:1", "colocated:1"], "router at"),  # while the second cluster starts
+        (["colocated:1"], "alone:"),  # while it measures
+    ],
+    ids=["starting", "measuring"],
+)
+def test_sigterm_stops_the_clusters_bench_started(demo_model_dir, tmp_path, shapes, after):
+    """Their processes run in sessions of their own: nothing but bench itself stops them."""
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}  # a private Redis too
+    command = [sys.executable, "-m", "pdserve", "bench", "--compare", *shapes]
+    command += ["--model", str(demo_model_dir), "--rates", "1", "--duration", "600"]
+    command += ["--out", str(tmp_path / "out")]
+    bench = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    children: list[int] = []
+    try:
+        for line in bench.stderr:
+            if after in line:
+                break
+        children = _children_of(bench.pid)
+        assert children, "the first cluster's processes are the bench's children"
+        bench.terminate()
+        assert bench.wait(timeout=90) == 143  # 128 + SIGTERM, after stopping them
+        assert not [pid for pid in children if _alive(pid)]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        for pid in children:
+            if _alive(pid):
+                os.kill(pid, 9)

@@ -44,6 +44,13 @@ from pdserve.commands.connection import (
     add_connection_arguments,
     connection_from_args,
 )
+from pdserve.commands.termination import (
+    EXIT_TERMINATED,
+    Terminated,
+    cancelled_by_sigterm,
+    ignore_sigterm,
+    sigterm_raises,
+)
 
 DEFAULT_OUT = "bench-results"
 # --colocate-below for an all-colocated shape: every prompt is prefilled on the worker that
@@ -209,13 +216,18 @@ def run(args: argparse.Namespace) -> int:
         model = str(ensure_demo_model(console))
     machine = facts(args.threads)
     try:
-        with contextlib.ExitStack() as stack:
+        # SIGTERM stops the clusters as Ctrl-C does (commands/termination.py)
+        with sigterm_raises(), contextlib.ExitStack() as stack:
             targets = _start_targets(args, model, config.shapes, out, stack, console, connection)
-            model, configs = asyncio.run(_measure(config, targets, console))
+            stack.callback(ignore_sigterm)  # first on the way out: the clusters stop whole
+            measuring = cancelled_by_sigterm(_measure(config, targets, console))
+            model, configs = asyncio.run(measuring)
     except (RuntimeError, OSError, PdserveError) as exc:
         return fail("bench", exc)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+    except Terminated:
+        return EXIT_TERMINATED
     machine["load_avg_after"] = os.getloadavg()
     result = BenchResult(
         **config.sweep_fields(),
