@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from contextlib import contextmanager
@@ -12,6 +13,34 @@ import grpc
 from pdserve.api.v1 import decode_pb2
 from pdserve.cluster.load import wait_idle, worker_load
 from pdserve.cluster.processes import ChildProcess, router_args, spawn, wait_ready, worker_args
+
+
+def descendants_of(pid: int) -> list[int]:
+    """Every descendant of pid, from /proc (no psutil needed)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        kids = [p for p, parent in parents.items() if parent == current]
+        found += kids
+        frontier += kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie has exited; its parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @dataclass

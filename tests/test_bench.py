@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from procs import alive, descendants_of
 
 from pdserve.bench.component import alternate
 from pdserve.bench.loadgen import RequestResult
@@ -427,29 +428,6 @@ def test_a_tiny_sweep_writes_results_that_add_up(demo_model_dir, tmp_path, monke
         assert data.startswith(PNG_MAGIC) and len(data) < 200_000
 
 
-def _children_of(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (from /proc)."""
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                # the fields after the command's closing parenthesis: state, ppid, ...
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                children.append(int(entry.name))
-    return children
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"  # a zombie has exited; its parent has not read its status yet
-
-
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     ("shapes", "after"),
@@ -471,14 +449,14 @@ def test_sigterm_stops_the_clusters_bench_started(demo_model_dir, tmp_path, shap
         for line in bench.stderr:
             if after in line:
                 break
-        children = _children_of(bench.pid)
+        children = descendants_of(bench.pid)
         assert children, "the first cluster's processes are the bench's children"
         bench.terminate()
         assert bench.wait(timeout=90) == 143  # 128 + SIGTERM, after stopping them
-        assert not [pid for pid in children if _alive(pid)]
+        assert not [pid for pid in children if alive(pid)]
     finally:
         if bench.poll() is None:
             bench.kill()
         for pid in children:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, 9)

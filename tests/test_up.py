@@ -11,28 +11,10 @@ import time
 import urllib.request
 
 import grpc
+from procs import descendants_of
 
 from pdserve.api.v1 import router_pb2, router_pb2_grpc
 from pdserve.state.redis_server import free_port
-
-
-def children_of(pid: int) -> list[int]:
-    """Every descendant of pid, from /proc (no psutil needed)."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found, frontier = [], [pid]
-    while frontier:
-        current = frontier.pop()
-        kids = [p for p, parent in parents.items() if parent == current]
-        found += kids
-        frontier += kids
-    return found
 
 
 def port_is_free(port: int) -> bool:
@@ -80,7 +62,7 @@ def test_up_serves_a_generate_and_sigterm_leaves_nothing_behind(demo_model_dir, 
         [router_metrics] = [url for _, role, url in served if role == "router"]
         with urllib.request.urlopen(router_metrics, timeout=10) as response:
             assert b"pdserve:" in response.read()
-        descendants = children_of(proc.pid)
+        descendants = descendants_of(proc.pid)
         assert len(descendants) >= 4  # redis, prefill, decode, router
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = router_pb2_grpc.RouterStub(channel)
@@ -156,7 +138,7 @@ def test_up_restarts_a_killed_worker_and_a_killed_redis_on_their_ports(demo_mode
     try:
         read_until(proc, "Ctrl-C", output, 120)
         before = generate_eight(port, 10)
-        pids = {cmdline(pid): pid for pid in children_of(proc.pid)}
+        pids = {cmdline(pid): pid for pid in descendants_of(proc.pid)}
         [decode_pid] = [pid for line, pid in pids.items() if " serve " in line and "decode" in line]
         [redis_pid] = [pid for line, pid in pids.items() if "redis-server" in line]
 
