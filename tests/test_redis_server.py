@@ -42,3 +42,37 @@ def test_stop_removes_the_data_directory():
     assert os.path.isdir(data_dir)
     server.stop()
     assert not os.path.exists(data_dir)
+
+
+class Interrupted(BaseException):
+    """Stands in for Ctrl-C (or SIGTERM as a command raises it) during the wait."""
+
+
+def _interrupt_the_first_ping(monkeypatch) -> list[subprocess.Popen]:
+    """Make the readiness wait end in Interrupted; the redis-server processes started."""
+    started: list[subprocess.Popen] = []
+    popen = subprocess.Popen
+
+    def recorded(*args, **kwargs):
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    def interrupted(self, *args, **kwargs):
+        raise Interrupted
+
+    monkeypatch.setattr(subprocess, "Popen", recorded)
+    monkeypatch.setattr(redis.Redis, "ping", interrupted)
+    return started
+
+
+@pytest.mark.parametrize("kind", ["private", "supervised"])
+def test_a_start_interrupted_while_waiting_leaves_no_redis_server(monkeypatch, kind):
+    from pdserve.cluster.supervisor import RedisChild
+    from pdserve.state.redis_server import free_port
+
+    started = _interrupt_the_first_ping(monkeypatch)
+    server = PrivateRedis() if kind == "private" else RedisChild(free_port())
+    with pytest.raises(Interrupted):
+        server.start()
+    [proc] = started
+    assert proc.poll() is not None  # stopped before the interrupt went on

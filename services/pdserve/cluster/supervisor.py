@@ -61,7 +61,15 @@ class RedisChild:
         return f"{self.host}:{self.port}"
 
     def start(self) -> RedisChild:
-        """Start it and wait until it answers PING; RuntimeError if it does not."""
+        """Start it and wait until it answers PING; RuntimeError if it does not. Whatever
+        ends the wait (Ctrl-C included) stops it first: the caller never gets it."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> RedisChild:
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", self.host, "--save", ""]
             + ["--appendonly", "no", "--dir", self._dir, "--loglevel", "warning"],
@@ -79,7 +87,6 @@ class RedisChild:
                     time.sleep(0.05)
         finally:
             client.close()
-        self.stop()
         raise RuntimeError(f"redis-server did not start on port {self.port}")
 
     def stop(self, timeout_s: float = 5.0) -> None:

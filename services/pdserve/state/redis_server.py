@@ -70,6 +70,16 @@ class PrivateRedis:
         return f"redis://{self.host}:{self.port}/0"
 
     def start(self) -> PrivateRedis:
+        """Start it and wait until it answers; RedisUnavailableError if it does not. What
+        ends the wait early (an error, Ctrl-C, SIGTERM as a command raises it) stops it
+        first: nobody else would, since the caller never gets it."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> PrivateRedis:
         self._dir = tempfile.mkdtemp(prefix="pdserve-redis-")
         last_error = ""
         for _ in range(PORT_ATTEMPTS):
@@ -98,7 +108,6 @@ class PrivateRedis:
             if self._wait_until_ready():
                 return self
             last_error = self._reap()
-        self.stop()
         raise RedisUnavailableError(f"redis-server did not start: {last_error.strip()}")
 
     def _wait_until_ready(self) -> bool:
