@@ -293,12 +293,15 @@ def test_request_parameters_beside_the_sampling_input_are_invalid(cluster):
 
 
 def test_streamed_text_concatenates_to_the_native_generate(cluster):
-    expected = native_text(cluster["router"], **GREEDY)
+    # long enough that a loaded machine cannot hand the whole output over in one message
+    # (8 tokens once came as one: every delta had arrived before the stream was read)
+    sampling = {**GREEDY, "max_tokens": 128}
+    expected = native_text(cluster["router"], **sampling)
     flags = {"stream": True, "return_finish_reason": True, "return_num_output_tokens": True}
-    [results] = stream(cluster["client"], {"one": llm_inputs(**flags)}).values()
+    [results] = stream(cluster["client"], {"one": llm_inputs(sampling=sampling, **flags)}).values()
     assert "".join(text_of(result) for result in results) == expected.text
     assert [is_final(result) for result in results] == [False] * (len(results) - 1) + [True]
-    assert sum(int(r.as_numpy("num_output_tokens")[0]) for r in results) == 8
+    assert sum(int(r.as_numpy("num_output_tokens")[0]) for r in results) == 128
     reasons = [result.as_numpy("finish_reason")[0] for result in results]
     assert reasons[-1] == b"length" and set(reasons[:-1]) <= {b"None"}
     assert len(results) > 1  # it streamed
