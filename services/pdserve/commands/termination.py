@@ -77,7 +77,5 @@ async def cancelled_by_sigterm(work: Awaitable[T]) -> T:
         raise
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
-        if terminated:  # while what was started stops, a second one changes nothing
-            ignore_sigterm()
-        elif before is not None:
+        if before is not None:
             signal.signal(signal.SIGTERM, before)
