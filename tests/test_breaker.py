@@ -223,6 +223,41 @@ async def test_an_open_worker_is_not_listed_until_its_probe_passes(clock):
     assert [w.address for w in guarded.workers("prefill")] == ["a:1", "b:1"]
 
 
+async def test_with_every_worker_open_all_are_routed_to_until_one_passes_its_probe(clock, caplog):
+    probes: list[str] = []
+    answers = {"a:1": False, "b:1": False}
+
+    async def probe(address: str, role: str) -> bool:
+        probes.append(address)
+        return answers[address]
+
+    guarded = GuardedDiscovery(
+        FakeDiscovery([worker("a:1"), worker("b:1")]), Breakers(SETTINGS, clock), probe, clock
+    )
+    for address in ("a:1", "b:1"):
+        for _ in range(3):
+            guarded.record_failure(address, "UNAVAILABLE")
+    with caplog.at_level("WARNING", logger="pdserve.router.discovery.guarded"):
+        assert [w.address for w in guarded.workers("prefill")] == ["a:1", "b:1"]
+        guarded.workers("prefill")
+    assert [r.getMessage() for r in caplog.records if r.name.endswith("guarded")] == [
+        "every prefill worker's circuit is open (2 listed): routing to all of them "
+        "until one passes its probe"
+    ]  # once, not per listing
+    assert guarded.workers("decode") == []  # none listed: nothing to route to
+    clock.now += 5.0
+    answers["b:1"] = True
+    guarded.workers("prefill")  # half-open: both probed
+    await asyncio.sleep(0)
+    assert sorted(probes) == ["a:1", "b:1"]
+    assert [w.address for w in guarded.workers("prefill")] == ["b:1"]  # breakers apply again
+    clock.now += 5.0
+    answers["a:1"] = True
+    guarded.workers("prefill")
+    await asyncio.sleep(0)
+    assert [w.address for w in guarded.workers("prefill")] == ["a:1", "b:1"]
+
+
 def test_a_request_that_gives_up_names_each_worker_and_error():
     history = AttemptHistory()
     attempt = Attempt("r", [1, 2], sampling=None, history=history)

@@ -177,6 +177,8 @@ def test_chaos_every_request_completes_identically_and_no_block_leaks(cluster):
         wait_recovered(cluster)
         figures.append(score(name, asyncio.run(wave(cluster, f"fault{number}", fault)), reference))
         print(f"chaos: {figures[-1].row()}", flush=True)  # each as it comes, pass or fail
+        for index, num_tokens, error in figures[-1].differing:  # whole: an assert cuts them
+            print(f"chaos:   request {index}: {num_tokens} tokens; {error}", flush=True)
         assert figures[-1].completed == NUM_REQUESTS, figures[-1].differing
         assert figures[-1].identical == NUM_REQUESTS, figures[-1].differing
     wait_recovered(cluster)

@@ -5,6 +5,14 @@ whose breaker is open or half-open, as the inner one leaves out workers whose he
 stopped, so the policies never see them and `ListWorkers` does not show them as healthy.
 Listing is also what starts the probes: a listed worker whose cool-down has ended gets
 one `GetLoad` (its own short deadline) in a task; it is routed to again once that passes.
+
+A breaker takes a worker out only while another can take its requests: when every
+listed worker of a role has its breaker open, the breakers are set aside for that role
+and all of them are routed to (Envoy calls this panic routing). Breakers open on every
+worker at once when load, not a fault, passed the router's deadlines (one worker left
+to carry a frozen one's requests, on a busy machine); refusing every request then
+would turn a slow cluster into a dead one, while a worker that is really down still
+fails its calls, and its heartbeat stopping takes it out of the listing anyway.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ class GuardedDiscovery:
         self.inner, self.breakers, self.probe, self._clock = inner, breakers, probe, clock
         self._probes: set[asyncio.Task] = set()
         self._listed_at: dict[str, float] = {}  # address -> last time inner listed it
+        self._panicking: set[str] = set()  # roles whose every listed worker is open
 
     @classmethod
     def over(
@@ -91,7 +100,26 @@ class GuardedDiscovery:
         if blocked:
             self._start_probes(blocked)
             self._forget_unlisted(now)
-        return [w for w in listed if self.breakers.routable(w.address)]
+        routable = [w for w in listed if self.breakers.routable(w.address)]
+        if listed and not routable:
+            self._set_panic(role, len(listed))
+            return listed
+        self._set_panic(role, 0)
+        return routable
+
+    def _set_panic(self, role: str, num_listed: int) -> None:
+        """Log when a role starts (num_listed > 0) or stops being routed despite breakers."""
+        if num_listed and role not in self._panicking:
+            self._panicking.add(role)
+            log.warning(
+                "every %s worker's circuit is open (%d listed): routing to all of them "
+                "until one passes its probe",
+                role,
+                num_listed,
+            )
+        elif not num_listed and role in self._panicking:
+            self._panicking.discard(role)
+            log.info("%s workers: breakers apply again", role)
 
     def mark_unhealthy(self, address: str) -> None:
         self.inner.mark_unhealthy(address)
