@@ -23,9 +23,9 @@ def service_name(role: str) -> str:
 
 
 def _grpc_exporter():
-    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from pdserve.telemetry.otlp_encoding import GrpcSpanExporter
 
-    return OTLPSpanExporter()
+    return GrpcSpanExporter()
 
 
 def _http_exporter():
