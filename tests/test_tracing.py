@@ -16,14 +16,26 @@ import time
 
 import grpc
 import pytest
-from opentelemetry import trace
+from opentelemetry import baggage, propagate, trace
+from opentelemetry import context as otel_context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
     OTLPSpanExporter as HttpSpanExporter,
 )
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import INVALID_SPAN, SpanKind, StatusCode, format_span_id, format_trace_id
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON
+from opentelemetry.trace import (
+    INVALID_SPAN,
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    StatusCode,
+    TraceFlags,
+    TraceState,
+    format_span_id,
+    format_trace_id,
+)
 
 from pdserve.api.v1 import router_pb2, router_pb2_grpc
 from pdserve.client import AsyncClient
@@ -541,6 +553,95 @@ def test_off_nothing_is_installed_and_spans_cost_nothing(tracer_provider):
         assert tracing.context_with(INVALID_SPAN) is None
     finally:
         tracing.install(tracer_provider)
+
+
+def carried(context) -> tuple:
+    """What a context carries to the next hop: its span's context and its baggage."""
+    return trace.get_current_span(context).get_span_context(), dict(baggage.get_all(context))
+
+
+def sdk_headers() -> dict[str, str]:
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+def test_a_lone_traceparent_is_written_as_the_sdk_writes_it(tracer_provider, sampled):
+    sampler = ALWAYS_ON if sampled else ALWAYS_OFF
+    span = TracerProvider(sampler=sampler).get_tracer("t").start_span("s")
+    with trace.use_span(span):
+        assert tracing.W3CTraceparent.write() == sdk_headers()
+        assert tracing.trace_carrier() == sdk_headers()
+    assert tracing.W3CTraceparent.write() == {} == sdk_headers()  # no span: no header
+
+
+def test_a_tracestate_or_baggage_is_left_to_the_sdk(tracer_provider):
+    span_context = SpanContext(
+        int(TRACE_ID, 16), int(CLIENT_SPAN_ID, 16), True, TraceFlags(1), TraceState([("k", "v")])
+    )
+    with trace.use_span(NonRecordingSpan(span_context)):
+        assert tracing.W3CTraceparent.write() is None
+        assert (
+            tracing.trace_carrier()
+            == sdk_headers()
+            == {
+                "traceparent": TRACEPARENT,
+                "tracestate": "k=v",
+            }
+        )
+    token = otel_context.attach(baggage.set_baggage("tenant", "a"))
+    try:
+        assert tracing.W3CTraceparent.write() is None
+        assert tracing.trace_carrier() == sdk_headers() == {"baggage": "tenant=a"}
+    finally:
+        otel_context.detach(token)
+
+
+@pytest.mark.parametrize("flags", ["00", "01", "03"])
+def test_a_lone_traceparent_is_read_as_the_sdk_reads_it(tracer_provider, flags):
+    carrier = {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN_ID}-{flags}"}
+    fast = tracing.W3CTraceparent.read(carrier)
+    assert carried(fast) == carried(propagate.extract(carrier))
+    span_context = trace.get_current_span(fast).get_span_context()
+    assert span_context.is_remote and span_context.trace_flags == int(flags, 16)
+    assert carried(tracing.parent_from(carrier)) == carried(propagate.extract(carrier))
+
+
+@pytest.mark.parametrize(
+    "carrier",
+    [
+        {"traceparent": TRACEPARENT.upper()},  # hex must be lower case
+        {"traceparent": f"01-{TRACE_ID}-{CLIENT_SPAN_ID}-01"},  # a later version
+        {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN_ID}-01-extra"},
+        {"traceparent": f"00-{'0' * 32}-{CLIENT_SPAN_ID}-01"},  # an invalid trace id
+        {"traceparent": f"00-{TRACE_ID}-{'0' * 16}-01"},
+        {"traceparent": f" {TRACEPARENT}"},
+        {"traceparent": TRACEPARENT, "tracestate": "k=v"},
+        {"traceparent": TRACEPARENT, "baggage": "tenant=a"},
+        {"tracestate": "k=v"},
+    ],
+)
+def test_anything_but_a_plain_traceparent_is_read_by_the_sdk(tracer_provider, carrier):
+    assert tracing.W3CTraceparent.read(carrier) is None
+    assert carried(tracing.parent_from(carrier)) == carried(propagate.extract(carrier))
+
+
+@pytest.mark.parametrize(
+    ("configured", "served"),
+    [
+        (None, True),
+        ("tracecontext,baggage", True),
+        (" tracecontext ", True),
+        ("baggage,tracecontext", True),
+        ("b3", False),
+        ("tracecontext,b3", False),
+        ("baggage", False),
+        ("none", False),
+    ],
+)
+def test_only_the_default_propagators_let_a_traceparent_skip_the_sdk(configured, served):
+    assert tracing.W3CTraceparent.serves(configured) is served
 
 
 def test_pdserve_up_names_each_child_after_its_role():
