@@ -50,7 +50,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.disaggregation import PlacementMode
 from pdserve.router.session import Progress
 from pdserve.rpc.wire import sampling_params_to_proto
-from pdserve.telemetry import trace_export, tracing
+from pdserve.telemetry import propagation, trace_export, tracing
 from pdserve.telemetry.otlp_encoding import GrpcSpanExporter
 from pdserve.telemetry.request import RequestTelemetry
 from pdserve.worker import server as worker_server
@@ -548,8 +548,8 @@ def test_off_nothing_is_installed_and_spans_cost_nothing(tracer_provider):
     try:
         assert not tracing.enabled()
         assert tracing.start_span("decode", "r") is INVALID_SPAN
-        assert tracing.outgoing_metadata() is None
-        assert tracing.trace_carrier() == {}
+        assert propagation.outgoing_metadata() is None
+        assert propagation.trace_carrier() == {}
         assert tracing.context_with(INVALID_SPAN) is None
     finally:
         tracing.install(tracer_provider)
@@ -571,9 +571,9 @@ def test_a_lone_traceparent_is_written_as_the_sdk_writes_it(tracer_provider, sam
     sampler = ALWAYS_ON if sampled else ALWAYS_OFF
     span = TracerProvider(sampler=sampler).get_tracer("t").start_span("s")
     with trace.use_span(span):
-        assert tracing.W3CTraceparent.write() == sdk_headers()
-        assert tracing.trace_carrier() == sdk_headers()
-    assert tracing.W3CTraceparent.write() == {} == sdk_headers()  # no span: no header
+        assert propagation.W3CTraceparent.write() == sdk_headers()
+        assert propagation.trace_carrier() == sdk_headers()
+    assert propagation.W3CTraceparent.write() == {} == sdk_headers()  # no span: no header
 
 
 def test_a_tracestate_or_baggage_is_left_to_the_sdk(tracer_provider):
@@ -581,9 +581,9 @@ def test_a_tracestate_or_baggage_is_left_to_the_sdk(tracer_provider):
         int(TRACE_ID, 16), int(CLIENT_SPAN_ID, 16), True, TraceFlags(1), TraceState([("k", "v")])
     )
     with trace.use_span(NonRecordingSpan(span_context)):
-        assert tracing.W3CTraceparent.write() is None
+        assert propagation.W3CTraceparent.write() is None
         assert (
-            tracing.trace_carrier()
+            propagation.trace_carrier()
             == sdk_headers()
             == {
                 "traceparent": TRACEPARENT,
@@ -592,8 +592,8 @@ def test_a_tracestate_or_baggage_is_left_to_the_sdk(tracer_provider):
         )
     token = otel_context.attach(baggage.set_baggage("tenant", "a"))
     try:
-        assert tracing.W3CTraceparent.write() is None
-        assert tracing.trace_carrier() == sdk_headers() == {"baggage": "tenant=a"}
+        assert propagation.W3CTraceparent.write() is None
+        assert propagation.trace_carrier() == sdk_headers() == {"baggage": "tenant=a"}
     finally:
         otel_context.detach(token)
 
@@ -601,11 +601,11 @@ def test_a_tracestate_or_baggage_is_left_to_the_sdk(tracer_provider):
 @pytest.mark.parametrize("flags", ["00", "01", "03"])
 def test_a_lone_traceparent_is_read_as_the_sdk_reads_it(tracer_provider, flags):
     carrier = {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN_ID}-{flags}"}
-    fast = tracing.W3CTraceparent.read(carrier)
+    fast = propagation.W3CTraceparent.read(carrier)
     assert carried(fast) == carried(propagate.extract(carrier))
     span_context = trace.get_current_span(fast).get_span_context()
     assert span_context.is_remote and span_context.trace_flags == int(flags, 16)
-    assert carried(tracing.parent_from(carrier)) == carried(propagate.extract(carrier))
+    assert carried(propagation.parent_from(carrier)) == carried(propagate.extract(carrier))
 
 
 @pytest.mark.parametrize(
@@ -623,8 +623,8 @@ def test_a_lone_traceparent_is_read_as_the_sdk_reads_it(tracer_provider, flags):
     ],
 )
 def test_anything_but_a_plain_traceparent_is_read_by_the_sdk(tracer_provider, carrier):
-    assert tracing.W3CTraceparent.read(carrier) is None
-    assert carried(tracing.parent_from(carrier)) == carried(propagate.extract(carrier))
+    assert propagation.W3CTraceparent.read(carrier) is None
+    assert carried(propagation.parent_from(carrier)) == carried(propagate.extract(carrier))
 
 
 @pytest.mark.parametrize(
@@ -641,7 +641,7 @@ def test_anything_but_a_plain_traceparent_is_read_by_the_sdk(tracer_provider, ca
     ],
 )
 def test_only_the_default_propagators_let_a_traceparent_skip_the_sdk(configured, served):
-    assert tracing.W3CTraceparent.serves(configured) is served
+    assert propagation.W3CTraceparent.serves(configured) is served
 
 
 def test_pdserve_up_names_each_child_after_its_role():

@@ -23,7 +23,7 @@ from pdserve.router.relay import DEFAULT_STREAM_PROGRESS_TIMEOUT_S, DecodeRelays
 from pdserve.rpc.tls import ChannelTls
 from pdserve.rpc.wire import is_final
 from pdserve.rpc.wire.router import prefill_response_to_delta
-from pdserve.telemetry import tracing
+from pdserve.telemetry import propagation, tracing
 
 log = logging.getLogger(__name__)
 RELEASE_TIMEOUT_S = 5.0
@@ -227,7 +227,7 @@ class HandOff:
         with tracing.span("admit", attempt.request_id, kind=SpanKind.CLIENT) as span:
             span.set_attribute("pdserve.worker", decode_address)
             timeout, ours = attempt.timeout(self.deadlines.admit_s)
-            admit = stub.Admit(request, timeout=timeout, metadata=tracing.outgoing_metadata())
+            admit = stub.Admit(request, timeout=timeout, metadata=propagation.outgoing_metadata())
             admitting = asyncio.ensure_future(admit)
             try:
                 lease = await asyncio.shield(admitting)
@@ -250,7 +250,7 @@ class HandOff:
         attach = decode_pb2.RelayAttach(
             lease_id=admission.lease.lease_id,
             stream_interval=self.stream_interval,
-            trace_context=tracing.trace_carrier(),
+            trace_context=propagation.trace_carrier(),
         )
         return self.relays.open(admission.decode_address, attach, attempt.time_left())
 
@@ -279,7 +279,7 @@ class HandOff:
             timeout, ours = attempt.timeout(self.deadlines.prefill_s)
             try:
                 return await stub.Prefill(
-                    request, timeout=timeout, metadata=tracing.outgoing_metadata()
+                    request, timeout=timeout, metadata=propagation.outgoing_metadata()
                 )
             except grpc.aio.AioRpcError as exc:
                 if ours and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -295,7 +295,7 @@ class HandOff:
         attach = decode_pb2.RelayAttach(
             stream_interval=self.stream_interval,
             reattach=reattach,
-            trace_context=tracing.trace_carrier(),
+            trace_context=propagation.trace_carrier(),
         )
         return self.relays.open(orphan.decode_address, attach, attempt.time_left())
 
@@ -310,7 +310,7 @@ class HandOff:
         attach = decode_pb2.RelayAttach(
             stream_interval=self.stream_interval,
             generate=generate,
-            trace_context=tracing.trace_carrier(),
+            trace_context=propagation.trace_carrier(),
         )
         return self.relays.open(address, attach, attempt.time_left())
 
@@ -357,7 +357,7 @@ class HandOff:
         release = stub.Release(
             decode_pb2.ReleaseRequest(lease_id=admitting.result().lease_id),
             timeout=RELEASE_TIMEOUT_S,
-            metadata=tracing.outgoing_metadata(),
+            metadata=propagation.outgoing_metadata(),
         )
         task = asyncio.ensure_future(release)
         self._releases.add(task)

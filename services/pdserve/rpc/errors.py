@@ -19,7 +19,7 @@ from grpc_status import rpc_status
 from pdserve.core import errors
 from pdserve.core.errors import InvalidRequestError
 from pdserve.rpc.registration import UndecodableRequest
-from pdserve.telemetry import tracing
+from pdserve.telemetry import propagation
 
 log = logging.getLogger(__name__)
 DEFAULT_RETRY_DELAY_S = 0.1
@@ -99,7 +99,7 @@ def rpc_errors(method):
 
         @functools.wraps(method)
         async def stream_wrapper(self, request, context):
-            token = tracing.attach_incoming(context)
+            token = propagation.attach_incoming(context)
             try:
                 _check_parsed(request)
                 async for item in method(self, request, context):
@@ -109,13 +109,13 @@ def rpc_errors(method):
             except Exception as exc:
                 await abort(context, exc)
             finally:
-                tracing.detach(token)
+                propagation.detach(token)
 
         return stream_wrapper
 
     @functools.wraps(method)
     async def unary_wrapper(self, request, context):
-        token = tracing.attach_incoming(context)
+        token = propagation.attach_incoming(context)
         try:
             _check_parsed(request)
             return await method(self, request, context)
@@ -124,7 +124,7 @@ def rpc_errors(method):
         except Exception as exc:
             await abort(context, exc)
         finally:
-            tracing.detach(token)
+            propagation.detach(token)
 
     return unary_wrapper
 

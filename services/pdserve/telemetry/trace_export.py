@@ -5,8 +5,9 @@ Tracing is on when OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDP
 set and OTEL_SDK_DISABLED is not `true`; OTEL_EXPORTER_OTLP_PROTOCOL picks the exporter
 (`grpc`, the default, or `http/protobuf`). The SDK itself reads the rest:
 OTEL_TRACES_SAMPLER(_ARG), OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME, OTEL_BSP_*,
-OTEL_EXPORTER_OTLP_* (headers, timeouts, TLS). `service.name` defaults to the process's
-role: `pdserve-router`, ...
+OTEL_EXPORTER_OTLP_* (headers, timeouts, TLS), OTEL_PROPAGATORS. `service.name` defaults
+to the process's role: `pdserve-router`, ... Over grpc the exporter's requests are written
+by `telemetry/otlp_encoding.py`.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.kv.lease import LeaseState
 from pdserve.rpc.wire import sampling_params_from_proto
 from pdserve.rpc.wire.worker import deltas_to_proto
-from pdserve.telemetry import tracing
+from pdserve.telemetry import propagation, tracing
 from pdserve.worker.leases import AdmittedLease
 from pdserve.worker.worker import Worker
 
@@ -189,7 +189,7 @@ class Outbox:
         admitted = self.worker.leases.attach_stream(lease_id)
         pending = PendingDeltas(stream_interval, NUM_TOKENS_FROM_PREFILL, self.keep_history)
         attached = Attached(stream_id, admitted.lease.request_id, pending, admitted, self)
-        attached.trace_parent = tracing.parent_from(trace_context or {})
+        attached.trace_parent = propagation.parent_from(trace_context or {})
         self.attached[stream_id] = attached
         admitted.ready.add_done_callback(attached.on_ready)
         admitted.sink.forward_to(attached.on_item)
@@ -211,7 +211,7 @@ class Outbox:
         request_id = request.request_id or uuid.uuid4().hex
         pending = PendingDeltas(stream_interval, keep=self.keep_history)
         attached = Attached(stream_id, request_id, pending, None, self)
-        attached.trace_parent = tracing.parent_from(trace_context or {})
+        attached.trace_parent = propagation.parent_from(trace_context or {})
         start_request_span(attached, "generate")
         self.attached[stream_id] = attached
         self.worker.leases.spawn(self._start_generate(attached, request))

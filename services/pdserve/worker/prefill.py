@@ -25,7 +25,7 @@ from pdserve.kv.transfer import KVPusher, KVPushError, PushTotals
 from pdserve.rpc.errors import rpc_errors
 from pdserve.rpc.wire import sampling_params_from_proto
 from pdserve.rpc.wire.worker import prefill_response_to_proto, worker_load_to_proto
-from pdserve.telemetry import metrics, tracing
+from pdserve.telemetry import metrics, propagation, tracing
 from pdserve.telemetry.metrics import TransferSide
 from pdserve.worker.decode_peers import DecodePeer, DecodePeers
 from pdserve.worker.engine_loop import EXPORT_DONE, EngineFailedError, KVExport, Sink
@@ -60,7 +60,7 @@ async def keep_lease_open(
             reply = await kv.RenewLease(
                 kv_transfer_pb2.RenewLeaseRequest(lease_id=lease_id),
                 timeout=RENEW_TIMEOUT_S,
-                metadata=tracing.outgoing_metadata(),
+                metadata=propagation.outgoing_metadata(),
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.UNAVAILABLE:
@@ -105,7 +105,7 @@ async def push_kv(pusher: KVPusher, lease_id: str, chunks, *, request_id: str) -
         if span.is_recording():
             chunks = _layers_of(chunks, layers)
         # explicitly: the pusher's calls run on its own loop, in a context of their own
-        metadata = tuple(tracing.trace_carrier().items())
+        metadata = tuple(propagation.trace_carrier().items())
         try:
             totals = await asyncio.to_thread(pusher.push, lease_id, chunks, metadata=metadata)
         except Exception as exc:
@@ -248,7 +248,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     first_token_id=first.token_ids[0],
                 ),
                 timeout=self.worker.config.lease_ttl_s,
-                metadata=tracing.outgoing_metadata(),
+                metadata=propagation.outgoing_metadata(),
             )
         except Exception as exc:
             error = exc
@@ -266,7 +266,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await peer.decode.Release(
                 decode_pb2.ReleaseRequest(lease_id=lease_id),
                 timeout=5,
-                metadata=tracing.outgoing_metadata(),
+                metadata=propagation.outgoing_metadata(),
             )
         except grpc.aio.AioRpcError as exc:
             log.warning("could not release lease: %s", exc.details())
