@@ -277,22 +277,27 @@ def test_a_lease_whose_kv_never_arrives_expires_and_frees_its_blocks(cluster):
     )
 
 
+# Renewed every third of it: a renewal more than two thirds late ends the lease, which a
+# 300 ms TTL once met in CI's full suite on two cores.
+LEASE_TTL_MS = 1000
+
+
 @pytest.mark.parametrize("known_ttl", [True, False], ids=["ttl-granted", "ttl-unknown"])
 async def test_a_renewed_lease_outlives_its_ttl_and_expires_once_renewals_stop(cluster, known_ttl):
     from pdserve.api.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
     from pdserve.worker.prefill import keep_lease_open
 
     _, (decode, _) = cluster
-    lease = admit(decode, prompts([60], seed=9)[0], ttl_ms=300)
-    assert lease.ttl_ms == 300  # as granted: the first renewal waits a third of it
+    lease = admit(decode, prompts([60], seed=9)[0], ttl_ms=LEASE_TTL_MS)
+    assert lease.ttl_ms == LEASE_TTL_MS  # as granted: the first renewal waits a third of it
     async with decode.channel() as channel:
         kv = kv_transfer_pb2_grpc.KVTransferStub(channel)
         ttl_ms = lease.ttl_ms if known_ttl else 0  # 0: renewed at once, to learn it
         keeper = asyncio.create_task(keep_lease_open(kv, lease.lease_id, ttl_ms))
-        await asyncio.sleep(1.2)  # four TTLs: what a prompt queued on the prefill worker waits
+        await asyncio.sleep(4 * LEASE_TTL_MS / 1000)  # what a prompt queued there may wait
         assert not keeper.done()
         renewed = await kv.RenewLease(kv_transfer_pb2.RenewLeaseRequest(lease_id=lease.lease_id))
-        assert renewed.ttl_ms == 300 and renewed.deadline_unix_ms > lease.deadline_unix_ms
+        assert renewed.ttl_ms == LEASE_TTL_MS and renewed.deadline_unix_ms > lease.deadline_unix_ms
         keeper.cancel()
     assert_idle(decode)  # with nobody renewing, it expires and frees its blocks
     expect_push_error(
