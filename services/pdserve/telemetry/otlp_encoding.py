@@ -37,8 +37,6 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # SpanFlags: the span says whether its parent is remote, and whether it is
 _HAS_IS_REMOTE, _IS_REMOTE = 0x100, 0x200
 _MAX_CACHED_KEYS = 4096  # attribute keys are a small set; a stray flood is not kept
-
-
 _ONE_BYTE = [bytes((n,)) for n in range(128)]  # a varint below 128 is its own byte
 
 
@@ -67,8 +65,7 @@ def _any_value(value: object) -> bytes:
     """An AnyValue's body (its value is a oneof: written even when it is the default).
     Raises TypeError or OverflowError for what it cannot hold."""
     if isinstance(value, str):
-        encoded = value.encode()
-        return b"\x0a" + _varint(len(encoded)) + encoded
+        return _field(b"\x0a", value.encode())
     if isinstance(value, bool):
         return b"\x10\x01" if value else b"\x10\x00"
     if isinstance(value, int):
@@ -99,8 +96,7 @@ def _key_value(key: str, value: object) -> bytes:
         written = _string(b"\x0a", key)
         if len(_keys) < _MAX_CACHED_KEYS:
             _keys[key] = written
-    encoded = _any_value(value)
-    return written + b"\x12" + _varint(len(encoded)) + encoded
+    return written + _field(b"\x12", _any_value(value))
 
 
 def _attributes(tag: bytes, attributes: Mapping[str, object] | None) -> bytes:
@@ -115,7 +111,7 @@ def _attributes(tag: bytes, attributes: Mapping[str, object] | None) -> bytes:
         except (TypeError, OverflowError) as exc:
             log.error("span attribute %s left out of the export: %s", key, exc)
             continue
-        parts.append(tag + _varint(len(pair)) + pair)
+        parts.append(_field(tag, pair))
     return b"".join(parts)
 
 
@@ -184,25 +180,22 @@ class _Headers:
     """Each resource's and scope's message, written once (both are immutable)."""
 
     def __init__(self) -> None:
-        self._written: dict[object, bytes] = {}
+        self._resources: dict[object, bytes] = {}
+        self._scopes: dict[object, bytes] = {}
 
     def resource(self, resource) -> bytes:
-        key = ("resource", resource)
-        if (written := self._written.get(key)) is None:
-            written = self._written[key] = _field(
-                b"\x0a", _attributes(b"\x0a", resource.attributes)
-            )
+        if (written := self._resources.get(resource)) is None:
+            written = _field(b"\x0a", _attributes(b"\x0a", resource.attributes))
+            self._resources[resource] = written
         return written
 
     def scope(self, scope) -> bytes:
-        key = ("scope", scope)
-        if (written := self._written.get(key)) is None:
-            if scope is None:
-                body = b""
-            else:
+        if (written := self._scopes.get(scope)) is None:
+            body = b""
+            if scope is not None:
                 body = _string(b"\x0a", scope.name) + _string(b"\x12", scope.version or "")
                 body += _attributes(b"\x1a", scope.attributes)
-            written = self._written[key] = _field(b"\x0a", body)
+            written = self._scopes[scope] = _field(b"\x0a", body)
         return written
 
 
