@@ -10,7 +10,7 @@ import grpc
 import pytest
 from pydantic import ValidationError
 
-from pdserve.api.v1 import router_pb2, router_pb2_grpc
+from pdserve.api.v1 import decode_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
@@ -18,8 +18,8 @@ from pdserve.gateways.openai.convert import completion_requests
 from pdserve.gateways.openai.protocol import CompletionRequest
 from pdserve.rpc.wire import sampling_params_to_proto
 
-PROMPT_TOKENS = 600  # 75 steps of 8 tokens on the prefill worker
-STEP_TOKENS = 8
+PROMPT_TOKENS = 600  # 150 steps of 4 tokens on the prefill worker
+STEP_TOKENS = 4
 
 
 def test_the_engine_keeps_the_priority_a_request_was_added_with(demo_model_dir):
@@ -41,7 +41,7 @@ def test_the_openai_body_takes_vllms_priority_field_within_an_int32():
 
 @pytest.fixture(scope="module")
 def cluster(demo_model_dir, tmp_path_factory):
-    """A prefill and a decode worker that prefill 8 tokens a step; every prompt remote."""
+    """A prefill and a decode worker that prefill 4 tokens a step; every prompt remote."""
     with LocalCluster(
         model=str(demo_model_dir),
         shape=ClusterShape(prefill=1, decode=1),
@@ -66,12 +66,28 @@ async def first_token_at(stub, first_id: int, priority: int) -> float:
     raise AssertionError("no token")
 
 
+async def on_the_prefill_worker(cluster, count: int) -> None:
+    """Poll the prefill worker's load until `count` requests run or wait there."""
+    [worker] = [w for w in cluster.workers if w.role == "prefill"]
+    async with grpc.aio.insecure_channel(worker.address) as channel:
+        get_load = prefill_pb2_grpc.PrefillStub(channel).GetLoad
+        deadline = time.monotonic() + 30
+        while True:
+            load = await get_load(decode_pb2.GetLoadRequest(), timeout=10)
+            if load.running + load.waiting >= count:
+                return
+            assert time.monotonic() < deadline, f"the prefill worker holds {load}"
+            await asyncio.sleep(0.005)
+
+
 async def test_a_lower_priority_value_gets_its_first_token_before_earlier_prompts(cluster):
     async with grpc.aio.insecure_channel(cluster.router_address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         first = asyncio.create_task(first_token_at(stub, 10, priority=0))
         second = asyncio.create_task(first_token_at(stub, 300, priority=0))
-        await asyncio.sleep(0.05)  # both are on the prefill worker, the first one running
+        # Both are on the prefill worker, one running; a fixed wait once let a loaded
+        # machine finish one before the urgent prompt got there.
+        await on_the_prefill_worker(cluster, 2)
         urgent = await first_token_at(stub, 600, priority=-1)
         usual = await asyncio.gather(first, second)
 
