@@ -50,7 +50,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.disaggregation import PlacementMode
 from pdserve.router.session import Progress
 from pdserve.rpc.wire import sampling_params_to_proto
-from pdserve.telemetry import propagation, trace_export, tracing
+from pdserve.telemetry import propagation, recorder, trace_export, tracing
 from pdserve.telemetry.otlp_encoding import GrpcSpanExporter
 from pdserve.telemetry.request import RequestTelemetry
 from pdserve.worker import server as worker_server
@@ -340,44 +340,112 @@ def test_a_span_block_ends_its_span_restores_the_current_one_and_marks_errors(
     }
 
 
-def test_a_leaf_span_reaches_the_sdk_after_its_request_with_the_times_it_ran(
+def test_a_span_reaches_the_sdk_after_its_request_with_the_ids_and_times_it_ran(
     tracer_provider, catcher
 ):
-    """A leaf costs its request no SDK call: the span exists once the flush runs, later."""
+    """A span costs its request no SDK call: the processors get it from a flush, later,
+    with the ids its children carried and the times it ran."""
 
     async def decide():
-        with tracing.span("request", "leaf-1") as parent:
+        with tracing.span("request", "deferred-1") as parent:
             before = time.time_ns()
-            with pytest.raises(KeyError), tracing.leaf_span("route decode", "leaf-1") as leaf:
-                leaf.set_attribute("pdserve.worker", "w:1")
+            with pytest.raises(KeyError), tracing.start_span("route decode", "deferred-1") as s:
+                s.set_attribute("pdserve.worker", "w:1")
+                s.add_event("tried", {"pdserve.worker": "w:0"})
                 raise KeyError("no worker")
             after = time.time_ns()
-        trace_id = format_trace_id(parent.get_span_context().trace_id)
-        assert "route decode" not in {s.name for s in catcher.trace(trace_id, {"request"})}
+        assert not catcher.trace(format_trace_id(parent.get_span_context().trace_id), set())
         return parent.get_span_context(), before, after
 
     async def decide_then_wait():
         decided = await decide()
-        await asyncio.sleep(tracing.LEAF_FLUSH_DELAY_S * 2)  # the flush due on this loop
+        await asyncio.sleep(recorder.FLUSH_DELAY_S * 2)  # the flush due on this loop
         return decided
 
     parent, before, after = asyncio.run(decide_then_wait())
-    spans = catcher.trace(format_trace_id(parent.trace_id), {"route decode"})
+    spans = catcher.trace(format_trace_id(parent.trace_id), {"request", "route decode"})
     span = one(spans, "route decode")
+    assert one(spans, "request").context == parent
     assert parent_of(span) == format_span_id(parent.span_id)
     assert before <= span.start_time <= span.end_time <= after  # when it ran, not the flush
     assert span.status.status_code == StatusCode.ERROR
     assert dict(span.attributes) == {
-        "pdserve.request_id": "leaf-1",
+        "pdserve.request_id": "deferred-1",
         "pdserve.worker": "w:1",
         "error.type": "KeyError",
     }
+    [event] = span.events
+    assert (event.name, dict(event.attributes)) == ("tried", {"pdserve.worker": "w:0"})
+    assert before <= event.timestamp <= after
 
 
-def test_off_a_leaf_span_is_the_no_op_span(tracer_provider):
+UNSAMPLED_PARENT = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(0))
+
+
+@pytest.mark.parametrize(
+    ("sampler", "parent"),
+    [
+        (ALWAYS_OFF, None),  # the sampler's own call decides
+        (None, UNSAMPLED_PARENT),  # the default's decision, made without its call
+    ],
+    ids=["always_off", "default-unsampled-parent"],
+)
+def test_a_span_the_sampler_drops_still_hands_its_context_on(tracer_provider, sampler, parent):
+    """Dropped, a span records nothing, but its children carry its ids and sampled=0."""
+    catcher = SpanCatcher()  # the provider's shutdown stops it
+    provider = TracerProvider(sampler=sampler)
+    provider.add_span_processor(SimpleSpanProcessor(catcher))
+    tracing.install(provider)
+    current = NonRecordingSpan(parent) if parent else INVALID_SPAN  # a root without one
+    token = otel_context.attach(trace.set_span_in_context(current))
+    try:
+        with tracing.span("request", "dropped-1") as dropped:
+            child = tracing.start_span("route decode", "dropped-1")
+            child.end()
+        context = dropped.get_span_context()
+        assert not dropped.is_recording() and context.is_valid
+        assert not context.trace_flags.sampled
+        if parent is not None:
+            assert context.trace_id == parent.trace_id and context.span_id != parent.span_id
+        assert child.get_span_context().trace_id == context.trace_id
+        tracing.flush()
+        assert not catcher.trace(format_trace_id(context.trace_id), set(), timeout_s=0)
+    finally:
+        otel_context.detach(token)
+        tracing.install(tracer_provider)  # the module's
+        provider.shutdown()
+
+
+def test_span_limits_bound_what_a_span_exports_as_the_sdks_own(tracer_provider, monkeypatch):
+    """OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT and OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT, as the SDK
+    applies them (the oldest attribute dropped, long strings cut)."""
+    catcher = SpanCatcher()  # the provider's shutdown stops it
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "2")
+    monkeypatch.setenv("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "3")
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(catcher))
+    given = {"a": "abcdef", "b": 1}
+    tracing.install(provider)
+    try:
+        ours = tracing.start_span("limited", "limited-1", attributes=given)
+        ours.end()  # no event loop runs here: to the processors at once
+        sdks = provider.get_tracer("t").start_span(
+            "limited", attributes={tracing.REQUEST_ID: "limited-1", **given}
+        )
+        sdks.end()
+        [exported] = catcher.trace(format_trace_id(ours.get_span_context().trace_id), set())
+        [expected] = catcher.trace(format_trace_id(sdks.get_span_context().trace_id), set())
+        assert dict(exported.attributes) == dict(expected.attributes) == {"a": "abc", "b": 1}
+        assert exported.dropped_attributes == expected.dropped_attributes == 1
+    finally:
+        tracing.install(tracer_provider)  # the module's
+        provider.shutdown()
+
+
+def test_off_a_span_is_the_no_op_span(tracer_provider):
     tracing.uninstall()
     try:
-        assert tracing.leaf_span("route decode", "r") is INVALID_SPAN
+        assert tracing.start_span("route decode", "r") is INVALID_SPAN
     finally:
         tracing.install(tracer_provider)
 

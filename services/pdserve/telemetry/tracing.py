@@ -3,18 +3,17 @@ the OTEL_* variables): telemetry/trace_export.py; `configure` installs what it m
 How a request's trace context crosses to the next process: telemetry/propagation.py,
 switched on and off with the spans here.
 
-Off, nothing is installed and nothing is exported: `start_span` hands back a span that
-records nothing without calling the SDK, channels get no interceptor, handlers attach no
-context. Callers build attributes only for a span that `is_recording()`.
+On, spans are recorded by pdserve and handed to the SDK's processors after their
+request's first token (telemetry/recorder.py). Off, nothing is installed and nothing is
+exported: `start_span` hands back a span that records nothing without calling the SDK,
+channels get no interceptor, handlers attach no context. Callers build attributes only for
+a span that `is_recording()`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
-import threading
-import time
 from collections.abc import Mapping
 
 import grpc
@@ -24,6 +23,7 @@ from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from pdserve.telemetry import propagation
+from pdserve.telemetry.recorder import Recorder
 from pdserve.telemetry.trace_export import provider_from_env
 
 TRACER_NAME = "pdserve"
@@ -32,10 +32,10 @@ ERROR_TYPE = "error.type"
 
 
 class _Tracing:
-    """The process's tracer while tracing is on. The SDK's provider is process-wide by
-    design; this holds what pdserve took from it, so that "off" costs one None check."""
+    """The process's span recorder while tracing is on. The SDK's provider is process-wide
+    by design; this holds what pdserve took from it, so that "off" costs one None check."""
 
-    tracer: trace.Tracer | None = None
+    recorder: Recorder | None = None
 
 
 _state = _Tracing()
@@ -54,25 +54,33 @@ def configure(role: str):
 def install(provider: trace.TracerProvider) -> None:
     """Trace through `provider` from now on (`configure`; tests give an in-memory one)."""
     propagation.install()
-    _state.tracer = provider.get_tracer(TRACER_NAME)
+    _state.recorder = Recorder(provider.get_tracer(TRACER_NAME), TRACER_NAME, set_error)
 
 
 def uninstall() -> None:
-    """Stop tracing: spans started from now on record nothing (tests)."""
-    _state.tracer = None
+    """Stop tracing: spans started from now on record nothing; those that ended go to the
+    processors first (tests)."""
+    recorder, _state.recorder = _state.recorder, None
+    if recorder is not None:
+        recorder.flush()
     propagation.uninstall()
 
 
 def shutdown(provider) -> None:
     """Export what is still queued and stop (at the process's end); None: nothing to do."""
     if provider is not None:
-        flush_leaves()
         uninstall()
         provider.shutdown()
 
 
 def enabled() -> bool:
-    return _state.tracer is not None
+    return _state.recorder is not None
+
+
+def flush() -> None:
+    """Hand every ended span to the SDK's processors now (tests; `uninstall` does)."""
+    if (recorder := _state.recorder) is not None:
+        recorder.flush()
 
 
 # -- spans ------------------------------------------------------------------------------
@@ -87,14 +95,15 @@ def start_span(
     attributes: Mapping[str, AttributeValue] | None = None,
 ) -> Span:
     """A span of request `request_id`, child of `parent` (None: of the current span), with
-    `attributes` from its start (one copy into the span, where `set_attributes` after the
-    start would make another); the caller ends it. With tracing off, a span that records
-    nothing and costs nothing."""
-    tracer = _state.tracer
-    if tracer is None:
+    `attributes` from its start (the sampler sees them); the caller ends it, or uses it as
+    a `with` block, which ends it and marks it failed by an exception out of the block (it
+    does not go current there: `span` does). With tracing off, a span that records nothing
+    and costs nothing."""
+    recorder = _state.recorder
+    if recorder is None:
         return INVALID_SPAN
     given = {REQUEST_ID: request_id, **attributes} if attributes else {REQUEST_ID: request_id}
-    return tracer.start_span(name, context=parent, kind=kind, attributes=given)
+    return recorder.start(name, kind, parent, given)
 
 
 def span(
@@ -107,7 +116,7 @@ def span(
     """A span around a `with` block and current inside it, so that calls made there carry
     it; an exception out of the block marks it failed (`set_error`). With tracing off, a
     shared no-op: the block gets a span that records nothing."""
-    if _state.tracer is None:
+    if _state.recorder is None:
         return _NO_SPAN
     return _CurrentSpan(name, request_id, kind, attributes)
 
@@ -153,160 +162,6 @@ class _CurrentSpan:
             self._span.end()
 
 
-# -- leaf spans: recorded on the request's path, handed to the SDK off it -----------------
-
-# How long a finished leaf span waits before the SDK sees it (with every other one finished
-# by then): past its request's first token. The work still lands on whatever request runs
-# then; it leaves the path of the one that made the span.
-LEAF_FLUSH_DELAY_S = 0.2
-
-
-class LeafSpan:
-    """A span that has no children (a routing decision, a worker's Admit, the receiving
-    side of a KV push, a request's decode): while it runs it holds a clock reading, its
-    parent context and its attributes, nothing of the SDK's. Once it ends it waits in
-    `_leaves` and becomes an SDK span, with the times it ran, at the next flush.
-
-    An SDK span started on a request's path costs the request its time there (tens of
-    µs a span in a loop, hundreds in a server where the code is cold); a leaf's context
-    is never propagated, so nothing needs it to exist sooner. Spans with children start
-    through `start_span` / `span`: the next hop needs their ids.
-    """
-
-    __slots__ = (
-        "name",
-        "kind",
-        "parent",
-        "attributes",
-        "start_ns",
-        "end_ns",
-        "status",
-        "_recording",
-    )
-
-    def __init__(
-        self,
-        name: str,
-        request_id: str,
-        kind: SpanKind,
-        parent: otel_context.Context | None,
-        attributes: Mapping[str, AttributeValue] | None,
-    ):
-        self.name, self.kind = name, kind
-        self.parent = otel_context.get_current() if parent is None else parent
-        self.attributes: dict[str, AttributeValue] = {REQUEST_ID: request_id}
-        if attributes:
-            self.attributes.update(attributes)
-        self.start_ns, self.end_ns = time.time_ns(), 0  # 0: running
-        self.status: Status | None = None
-        # Under the default samplers (parentbased_*) a child is sampled when its parent
-        # is: callers skip building attributes for one that would be dropped.
-        context = trace.get_current_span(self.parent).get_span_context()
-        self._recording = not context.is_valid or context.trace_flags.sampled
-
-    def is_recording(self) -> bool:
-        return self._recording
-
-    def set_attribute(self, key: str, value: AttributeValue) -> None:
-        self.attributes[key] = value
-
-    def set_attributes(self, attributes: Mapping[str, AttributeValue]) -> None:
-        self.attributes.update(attributes)
-
-    def set_status(self, status: Status) -> None:
-        self.status = status
-
-    def end(self) -> None:
-        """Once; the SDK gets it at the next flush (and its sampler decides then)."""
-        if not self.end_ns:
-            self.end_ns = time.time_ns()
-            _leaves.add(self)
-
-    def emit(self, tracer: trace.Tracer) -> None:
-        """The SDK span, with the times it ran (the sampler decides here, as at a start)."""
-        sdk_span = tracer.start_span(
-            self.name,
-            context=self.parent,
-            kind=self.kind,
-            attributes=self.attributes,
-            start_time=self.start_ns,
-        )
-        if self.status is not None:
-            sdk_span.set_status(self.status)
-        sdk_span.end(end_time=self.end_ns)
-
-    def __enter__(self) -> LeafSpan:
-        return self
-
-    def __exit__(self, exc_type, exc, traceback) -> None:
-        if isinstance(exc, Exception):
-            set_error(self, exc)
-        self.end()
-
-
-class _Leaves:
-    """The process's ended leaf spans not yet handed to the SDK, and the one flush due.
-
-    Leaves end on event loops: the first to arrive schedules a flush on its loop,
-    `LEAF_FLUSH_DELAY_S` later (on another one if that loop stopped first); with no loop
-    running, a leaf goes to the SDK at once.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._ended: list[LeafSpan] = []
-        self._due_on: asyncio.AbstractEventLoop | None = None  # the loop a flush is due on
-
-    def add(self, leaf: LeafSpan) -> None:
-        with self._lock:
-            self._ended.append(leaf)
-            if self._due_on is not None and self._due_on.is_running():
-                return
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                loop = None
-            self._due_on = loop
-        if loop is None:
-            self.flush()
-        else:
-            loop.call_later(LEAF_FLUSH_DELAY_S, self.flush)
-
-    def flush(self) -> None:
-        with self._lock:
-            ended, self._ended, self._due_on = self._ended, [], None
-        tracer = _state.tracer
-        if tracer is None:
-            return  # tracing stopped (tests): they would record nothing now
-        for leaf in ended:
-            leaf.emit(tracer)
-
-
-_leaves = _Leaves()
-
-
-def leaf_span(
-    name: str,
-    request_id: str,
-    *,
-    kind: SpanKind = SpanKind.INTERNAL,
-    parent: otel_context.Context | None = None,
-    attributes: Mapping[str, AttributeValue] | None = None,
-) -> LeafSpan | Span:
-    """A span with no children, started now (see LeafSpan), child of `parent` (None: of
-    the current span); the caller ends it, or uses it as a `with` block, which ends it
-    and marks it failed by an exception out of the block. Off: a span that records
-    nothing and costs nothing."""
-    if _state.tracer is None:
-        return INVALID_SPAN  # a `with` block too: it ends itself, a no-op
-    return LeafSpan(name, request_id, kind, parent, attributes)
-
-
-def flush_leaves() -> None:
-    """Hand every ended leaf span to the SDK now (at shutdown; tests)."""
-    _leaves.flush()
-
-
 def kv_transfer_attributes(num_layers: int, num_chunks: int, num_bytes: int) -> dict[str, int]:
     """A KV transfer span's counts, on either side: layers, KVChunk messages, payload bytes
     (the KV alone: layers x 2 x blocks x block size x KV heads x head dim x dtype size)."""
@@ -334,7 +189,7 @@ def set_error(target: Span, error: BaseException) -> None:
 def context_with(current: Span) -> contextvars.Context | None:
     """A copy of the current context with `current` as its span, for a task's `context=`:
     the task's calls then carry it. None (the default context) when tracing is off."""
-    if _state.tracer is None:
+    if _state.recorder is None:
         return None
     copied = contextvars.copy_context()
     copied.run(otel_context.attach, trace.set_span_in_context(current))
