@@ -12,9 +12,9 @@ its ids (from the tracer's id generator) and the sampler's decision (the trace f
 next hop reads), made as the SDK makes them. Its attributes and events go into plain
 containers. Once it ends it waits, with every other span ended by then, for a flush
 `FLUSH_DELAY_S` later (past its request's first token), which turns each into the
-`ReadableSpan` the SDK's own span would have given its processors, attributes, events and
-links bounded by the same limits, and calls their `on_end`. Processors never see a start:
-the SDK's batch and simple processors do nothing there.
+`ReadableSpan` the SDK's own span would have given its processors, attributes and events
+bounded by the same limits (pdserve's spans have no links), and calls their `on_end`.
+Processors never see a start: the SDK's batch and simple processors do nothing there.
 
 A span the sampler drops is the API's `NonRecordingSpan` with the ids it would have had:
 its context (sampled=0) still reaches the next hop, which would otherwise start a trace of
@@ -36,7 +36,7 @@ from opentelemetry.sdk.trace import Event, ReadableSpan, SpanLimits
 from opentelemetry.sdk.trace.sampling import DEFAULT_ON
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import Link, SpanContext, SpanKind, Status, TraceFlags
+from opentelemetry.trace import SpanContext, SpanKind, Status, TraceFlags
 from opentelemetry.util.types import Attributes, AttributeValue
 
 # How long an ended span waits before the processors see it (with every other one ended
@@ -163,7 +163,6 @@ class RecordedSpan(trace.Span):
         "_parent",
         "_attributes",
         "_events",
-        "_links",
         "_status",
         "_start_ns",
         "_end_ns",
@@ -182,7 +181,6 @@ class RecordedSpan(trace.Span):
         self._context, self._parent = context, parent
         self._attributes = attributes
         self._events: list[tuple[str, Attributes, int]] = []
-        self._links: list[Link] = []
         self._status = _UNSET
         self._start_ns, self._end_ns = time.time_ns(), 0  # 0: running
 
@@ -201,10 +199,6 @@ class RecordedSpan(trace.Span):
     def add_event(self, name: str, attributes: Attributes = None, timestamp: int | None = None):
         copied = dict(attributes) if attributes else None  # the caller's dict may change
         self._events.append((name, copied, timestamp or time.time_ns()))
-
-    def add_link(self, context: SpanContext, attributes: Attributes = None) -> None:
-        if context.is_valid:
-            self._links.append(Link(context, attributes))
 
     def update_name(self, name: str) -> None:
         self._name = name
@@ -251,10 +245,6 @@ class RecordedSpan(trace.Span):
             Event(name, r.bounded(attributes, limits.max_event_attributes), timestamp)
             for name, attributes, timestamp in self._events
         ]
-        links = [
-            Link(link.context, r.bounded(link.attributes, limits.max_link_attributes))
-            for link in self._links
-        ]
         return ReadableSpan(
             name=self._name,
             context=self._context,
@@ -262,7 +252,6 @@ class RecordedSpan(trace.Span):
             resource=r.resource,
             attributes=r.bounded(self._attributes, limits.max_span_attributes),
             events=BoundedList.from_seq(limits.max_events, events),
-            links=BoundedList.from_seq(limits.max_links, links),
             kind=self._kind,
             status=self._status,
             start_time=self._start_ns,
