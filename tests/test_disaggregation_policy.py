@@ -11,7 +11,7 @@ import urllib.request
 import grpc
 import pytest
 
-from pdserve.api.v1 import router_pb2, router_pb2_grpc
+from pdserve.api.v1 import decode_pb2, router_pb2, router_pb2_grpc
 from pdserve.cluster.load import worker_load
 from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.core.block_hash import prompt_block_hashes
@@ -22,7 +22,9 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.disaggregation import (
     DEFAULT_PREFILL_TOKENS_PER_S,
     DEFAULT_REMOTE_HOP_MS,
+    ERROR_SAMPLES,
     HOP_SAMPLES,
+    EstimateErrors,
     LiveColocation,
     Placement,
     PlacementMode,
@@ -34,6 +36,7 @@ from pdserve.router.disaggregation import (
     decide,
 )
 from pdserve.router.policy import ColocationRule
+from pdserve.router.runner import FirstTokenTimer
 from pdserve.rpc.wire import sampling_params_to_proto
 from pdserve.telemetry.metrics import metrics_url
 from pdserve.worker.engine_loop import StepStats
@@ -235,6 +238,85 @@ def test_live_colocation_weighs_the_hop_it_measured():
     assert d.snapshot.remote_hop_ms == 7.0
 
 
+def test_each_paths_error_is_the_median_of_its_requests_wait_less_their_estimate():
+    errors = EstimateErrors()
+    assert errors.ms == {Placement.REMOTE: 0.0, Placement.COLOCATED: 0.0}  # before any
+    busy_decode = load(num_queued=2, step_ms=30.0)  # colocated: 45 ms, remote: 20 + 20
+    remote = decide(snapshot(40, busy_decode, load()), TARGETS)
+    assert remote.placement is Placement.REMOTE
+    assert remote.estimated_ttft_ms == pytest.approx(40)
+    for waited_ms in (100.0, 50.0, 70.0):
+        errors.observe(remote, waited_ms)
+    assert errors.ms[Placement.REMOTE] == pytest.approx(30)  # of 60, 10 and 30
+    assert errors.ms[Placement.COLOCATED] == 0.0  # each path learns from its own requests
+    colocated = decide(snapshot(40, load(), load()), TARGETS)  # 20 ms
+    errors.observe(colocated, 12.0)
+    assert errors.ms[Placement.COLOCATED] == pytest.approx(-8)  # pessimistic: below 0
+    for _ in range(ERROR_SAMPLES):
+        errors.observe(remote, 41.0)
+    assert errors.ms[Placement.REMOTE] == pytest.approx(1)  # only the last ERROR_SAMPLES count
+
+
+def test_a_path_that_kept_its_requests_waiting_past_its_estimate_loses_to_the_other():
+    # a prefill worker woken from seconds of sleep for every prompt: 40 ms estimated,
+    # 90 ms waited; the busy decode worker's 45 ms is then the faster
+    busy_decode, pool = load(num_queued=2, step_ms=30.0), load()
+    loose = Targets(ttft_s=0.2, tpot_s=0.2)
+    naive = decide(Snapshot(40, busy_decode, (pool,), RATE), loose)
+    learned = decide(Snapshot(40, busy_decode, (pool,), RATE, remote_error_ms=50.0), loose)
+    assert (naive.placement, naive.reason) == (Placement.REMOTE, Reason.REMOTE_FASTER)
+    assert (learned.placement, learned.reason) == (Placement.COLOCATED, Reason.COLOCATED_FASTER)
+    assert learned.remote_ttft_ms == naive.remote_ttft_ms == pytest.approx(40)  # uncorrected
+    assert learned.attributes()["pdserve.placement.remote_error_ms"] == 50.0
+    slow_here = Snapshot(40, busy_decode, (pool,), RATE, colocated_error_ms=-10.0)
+    assert decide(slow_here, loose).colocated  # 35 ms against 40: the estimate ran high
+
+
+def test_a_pool_that_keeps_missing_the_ttft_target_does_not_take_a_prompt_for_tpot():
+    # colocating pushes a 2-token output's TPOT past 50 ms; the pool's estimate meets the
+    # 200 ms TTFT target, but its requests lately waited 200 ms past theirs
+    pool = load(queued_tokens=20, num_queued=1, step_ms=10.0)  # remote: 5 + 40 + hop
+    short_output = load(num_queued=3, step_ms=15.0, shortest_output=2)
+    late_pool = Snapshot(80, short_output, (pool,), RATE, remote_error_ms=200.0)
+    assert decide(snapshot(80, short_output, pool), TARGETS).reason is Reason.DECODE_TPOT
+    assert decide(late_pool, TARGETS).placement is Placement.COLOCATED
+
+
+def test_live_colocation_learns_from_the_uncorrected_estimates_so_its_errors_settle():
+    # colocating would push a 2-token output's TPOT past 50 ms: every prompt goes remote
+    colocation = LiveColocation(TARGETS)
+    decode = worker("d:1", "decode", running=3, step_time_ms=15.0, shortest_running_output=2)
+    pool = worker("p:1", "prefill", prefill_tokens_per_s=RATE)
+    for _ in range(3):  # each waits 110 ms: 50 more than its 60 ms estimate
+        d = colocation.decide(decode, [pool], [], 80)
+        assert (d.reason, d.estimated_ttft_ms) == (Reason.DECODE_TPOT, pytest.approx(60))
+        colocation.errors.observe(d, 110.0)
+    assert colocation.errors.ms[Placement.REMOTE] == pytest.approx(50)  # not 50, then 0
+    assert colocation.decide(decode, [pool], [], 80).snapshot.remote_error_ms == 50
+
+
+def test_only_requests_placed_by_the_estimates_teach_their_errors():
+    errors = EstimateErrors()
+    long_prompt = decide(snapshot(500, load(), load()), TARGETS)  # it would stall decoding
+    always = decide(snapshot(40, load(), load()), TARGETS, mode=PlacementMode.REMOTE)
+    for d in (long_prompt, always):
+        assert d.placement is Placement.REMOTE
+        errors.observe(d, 5000.0)
+    assert errors.ms[Placement.REMOTE] == 0.0
+
+
+def test_a_colocated_request_teaches_its_path_once_at_its_first_token():
+    errors, delivered = EstimateErrors(), []
+    placed = decide(snapshot(40, load(), load()), TARGETS)  # colocated, 20 ms estimated
+    timer = FirstTokenTimer(delivered.append, errors, placed)
+    for token in (1, 2, 3):
+        timer(decode_pb2.TokenDelta(token_ids=[token]))
+        time.sleep(0.05)  # had the later tokens taught it too, their waits would count
+    assert [list(d.token_ids) for d in delivered] == [[1], [2], [3]]
+    # the first came at once: 20 ms sooner than estimated (the median of all three: +30)
+    assert errors.ms[Placement.COLOCATED] == pytest.approx(-20, abs=10)
+
+
 def test_no_prefill_worker_means_colocated():
     d = decide(snapshot(4000, load()), TARGETS)
     assert (d.placement, d.reason) == (Placement.COLOCATED, Reason.NO_PREFILL_WORKER)
@@ -401,6 +483,16 @@ async def test_a_short_prompt_behind_long_prefills_is_colocated_and_a_long_one_i
     # measured on the long prompts' remote path
     [hop] = [line for line in text.splitlines() if line.startswith("pdserve:remote_hop_seconds{")]
     assert 0 < float(hop.rsplit(" ", 1)[1]) != DEFAULT_REMOTE_HOP_MS / 1000
+    # and each path's estimate error: the short prompt's taught the colocated one; the
+    # long ones, sent to the pool for the stall, taught nothing (their queue says nothing
+    # of a short prompt's wait)
+    errors = {
+        line.split('placement="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdserve:ttft_estimate_error_seconds{")
+    }
+    assert errors.keys() == {"remote", "colocated"}
+    assert errors["remote"] == 0 != errors["colocated"]
 
 
 def _has_series(text: str, **labels: str) -> bool:

@@ -54,6 +54,15 @@ not report one) and `step` its recent step time:
 router's recent remote requests, each its wait from Admit to the first token less the
 time the prefill worker says it took (`RemoteHop`); DEFAULT_REMOTE_HOP_MS before any.
 
+Both TTFT estimates are then corrected by what each path's own requests showed them to
+miss (`EstimateErrors`): the median, over the router's recent requests placed that way,
+of the wait it measured to the first token less the estimate it decided on. A path the
+load reports cannot see the cost of moves by it: on a lightly loaded cluster, a remote
+prompt lands on a prefill worker that has slept for seconds and wakes one more process
+than a colocated one, and takes tens of ms longer than its estimate said (on 2-core VMs,
+docs/benchmarks.md, issue 16), so short prompts stay where they are decoded until the
+decode worker's own estimate, and its error, grow past the pool's.
+
 A fixed `--colocate-below N` replaces the decision, and `--prefill-placement` with it:
 prompts under N tokens (or almost entirely cached there) are colocated, the others
 remote, whatever the load.
@@ -79,6 +88,8 @@ DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
 DEFAULT_REMOTE_HOP_MS = 20.0
 # The hop is the median of this many recent remote requests' own.
 HOP_SAMPLES = 32
+# Each path's estimate error is the median of this many of its recent requests'.
+ERROR_SAMPLES = 32
 DEFAULT_TTFT_TARGET_S = 0.25
 DEFAULT_TPOT_TARGET_S = 0.05
 MS = 1000.0
@@ -127,6 +138,31 @@ class Reason(enum.StrEnum):
     COLOCATED_FASTER = "colocated_faster"
     REMOTE_FASTER = "remote_faster"
     COLOCATE_BELOW = "colocate_below"  # the fixed threshold decided (--colocate-below)
+
+
+class EstimateErrors:
+    """How far each placement's TTFT estimate fell short of what its requests then waited,
+    as the router measured it: per placement, the median of its last ERROR_SAMPLES
+    requests' (wait to the first token less the uncorrected estimate the decision made),
+    0 before any. Negative when the estimates ran pessimistic.
+
+    Only requests whose placement the estimates decided teach it (`_COMPARED`): a long
+    prompt sent to the pool because it would stall the decode worker is not one, and its
+    wait (seconds in the queue, under least-work order) says nothing about a short one's."""
+
+    __slots__ = ("_samples", "ms")
+
+    def __init__(self) -> None:
+        self._samples = {placement: deque(maxlen=ERROR_SAMPLES) for placement in Placement}
+        self.ms = dict.fromkeys(Placement, 0.0)
+
+    def observe(self, decision: Decision, waited_ms: float) -> None:
+        """One request placed by `decision` waited `waited_ms` from it to its first token."""
+        if decision.reason not in _COMPARED:
+            return
+        samples = self._samples[decision.placement]
+        samples.append(waited_ms - decision.estimated_ttft_ms)
+        self.ms[decision.placement] = statistics.median(samples)
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,12 +237,16 @@ class Snapshot:
     prefill: tuple[WorkerLoad, ...]  # the prefill candidates (healthy, not the decode one)
     prefill_tokens_per_s: float  # measured; 0: no worker has yet
     remote_hop_ms: float = DEFAULT_REMOTE_HOP_MS  # what the remote path adds (`RemoteHop`)
+    # what each path's requests waited beyond its estimate, lately (`EstimateErrors`)
+    remote_error_ms: float = 0.0
+    colocated_error_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class Decision:
     placement: Placement
     reason: Reason
+    # the estimates as the load reports and the hop give them, before their errors
     remote_ttft_ms: float  # nan: no prefill worker
     colocated_ttft_ms: float
     decode_stall_ms: float  # what prefilling the prompt there adds to the decode worker's steps
@@ -217,6 +257,11 @@ class Decision:
     @property
     def colocated(self) -> bool:
         return self.placement is Placement.COLOCATED
+
+    @property
+    def estimated_ttft_ms(self) -> float:
+        """The chosen path's estimate, uncorrected: what its errors are measured against."""
+        return self.colocated_ttft_ms if self.colocated else self.remote_ttft_ms
 
     def attributes(self) -> dict[str, object]:
         """The decision and the inputs it weighed, as span attributes: a mode or a missing
@@ -250,6 +295,8 @@ class Decision:
                 ),
                 "pdserve.placement.prefill_tokens_per_s": s.prefill_tokens_per_s,
                 "pdserve.placement.remote_hop_ms": s.remote_hop_ms,
+                "pdserve.placement.remote_error_ms": s.remote_error_ms,
+                "pdserve.placement.colocated_error_ms": s.colocated_error_ms,
             }
         )
         return attributes
@@ -257,6 +304,8 @@ class Decision:
 
 # reasons no estimate took part in: their span carries the decision and the prompt alone
 _DECIDED_ALONE = frozenset({Reason.NO_PREFILL_WORKER, Reason.ALWAYS_REMOTE})
+# reasons that weighed the TTFT estimates against each other or the target
+_COMPARED = frozenset({Reason.DECODE_TPOT, Reason.COLOCATED_FASTER, Reason.REMOTE_FASTER})
 
 
 def decide(
@@ -288,9 +337,10 @@ def decide(
         return decision(Placement.REMOTE, Reason.ALWAYS_REMOTE)
     if stall_ms > targets.ttft_s * MS:
         return decision(Placement.REMOTE, Reason.DECODE_STALL)
-    if tpot_ms > targets.tpot_s * MS and remote_ms <= targets.ttft_s * MS:
+    remote_expected_ms = max(remote_ms + s.remote_error_ms, 0.0)
+    if tpot_ms > targets.tpot_s * MS and remote_expected_ms <= targets.ttft_s * MS:
         return decision(Placement.REMOTE, Reason.DECODE_TPOT)
-    if colocated_ms <= remote_ms:
+    if max(colocated_ms + s.colocated_error_ms, 0.0) <= remote_expected_ms:
         return decision(Placement.COLOCATED, Reason.COLOCATED_FASTER)
     return decision(Placement.REMOTE, Reason.REMOTE_FASTER)
 
@@ -308,6 +358,7 @@ class LiveColocation:
     ):
         self.targets, self.rule, self.mode = targets, rule or ColocationRule(), mode
         self.hop = RemoteHop()
+        self.errors = EstimateErrors()
         self._hash_sets = CachedHashSets()
 
     def decide(
@@ -327,6 +378,8 @@ class LiveColocation:
             tuple(self._load(w, block_hashes, num_prompt_tokens) for w in candidates),
             max((w.prefill_tokens_per_s for w in (decode, *candidates)), default=0.0),
             self.hop.ms,
+            self.errors.ms[Placement.REMOTE],
+            self.errors.ms[Placement.COLOCATED],
         )
         return decide(snapshot, self.targets, self.rule, self.mode)
 

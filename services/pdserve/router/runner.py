@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -19,7 +19,7 @@ from pdserve.api.v1 import decode_pb2, prefill_pb2
 from pdserve.core.errors import KVCapacityError, PreconditionError, UnavailableError
 from pdserve.core.workers import WorkerInfo
 from pdserve.router.breaker import BreakerSettings
-from pdserve.router.disaggregation import Decision, LiveColocation
+from pdserve.router.disaggregation import Decision, EstimateErrors, LiveColocation
 from pdserve.router.discovery import Discovery
 from pdserve.router.discovery.guarded import GuardedDiscovery
 from pdserve.router.dispatches import RecentDispatches
@@ -184,7 +184,7 @@ class RequestRunner:
         decodes, placement = self._route_decode(pool, attempt)
         placement_event(placement.attributes())
         if placement.colocated:
-            await self._colocated(decodes[0], attempt, events, placement.reason)
+            await self._colocated(decodes[0], attempt, events, placement)
             return
         failures, asked = len(attempt.history.failures), time.perf_counter()
         admission = await self._admit(decodes, attempt, events)
@@ -194,6 +194,7 @@ class RequestRunner:
             if len(attempt.history.failures) == failures:  # no refusal on the way: the hop
                 waited_ms = (time.perf_counter() - asked) * 1000
                 self.config.colocation.hop.observe(waited_ms, response.prefill_ms)
+                self.config.colocation.errors.observe(placement, waited_ms)
             cached_tokens = response.usage.cached_prompt_tokens
             hit = RoutingOutcome.CACHE_HIT if cached_tokens else RoutingOutcome.CACHE_MISS
             metrics.routing_decision(self.prefill_policy.name, hit, placement.reason)
@@ -346,7 +347,7 @@ class RequestRunner:
         return any(worker.address == address for worker in self.discovery.workers(role))
 
     async def _colocated(
-        self, worker: WorkerInfo, attempt: Attempt, events: AttemptEvents, reason: str
+        self, worker: WorkerInfo, attempt: Attempt, events: AttemptEvents, placement: Decision
     ) -> None:
         self.dispatches.record(
             worker.address,
@@ -356,13 +357,38 @@ class RequestRunner:
         )
         events.on_admitted(worker.address)
         events.on_prefill_worker(worker.address)
-        metrics.routing_decision(COLOCATED_POLICY, RoutingOutcome.COLOCATED, reason)
+        metrics.routing_decision(COLOCATED_POLICY, RoutingOutcome.COLOCATED, placement.reason)
+        errors = self.config.colocation.errors
+        first_token = FirstTokenTimer(events.deliver_decoded, errors, placement)
         stream = self.handoff.colocated(worker.address, attempt)
         try:
-            deliver = stream.deliver(events.deliver_decoded)
+            deliver = stream.deliver(first_token)
             await self._call("decode", worker.address, attempt, deliver)
         finally:
             stream.cancel()
 
     async def close(self) -> None:
         await self.handoff.close()
+
+
+class FirstTokenTimer:
+    """Passes a colocated request's deltas on, and tells the placement's errors how long
+    its first one took after the decision (a colocated prompt's first token comes with
+    its stream)."""
+
+    __slots__ = ("_deliver", "_errors", "_placement", "_asked")
+
+    def __init__(
+        self,
+        deliver: Callable[[decode_pb2.TokenDelta], None],
+        errors: EstimateErrors,
+        placement: Decision,
+    ):
+        self._deliver, self._errors, self._placement = deliver, errors, placement
+        self._asked: float | None = time.perf_counter()
+
+    def __call__(self, delta: decode_pb2.TokenDelta) -> None:
+        if self._asked is not None:
+            self._errors.observe(self._placement, (time.perf_counter() - self._asked) * 1000)
+            self._asked = None
+        self._deliver(delta)

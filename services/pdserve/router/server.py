@@ -148,6 +148,7 @@ class RouterApp:
         if self.metrics is not None:
             self.metrics.watch_relays(self.runner.handoff.relays)
             self.metrics.watch_remote_hop(self.runner.config.colocation.hop)
+            self.metrics.watch_estimate_errors(self.runner.config.colocation.errors)
             self.metrics.router.admission.watch(self.frontend.admission)
             fields["metrics"] = self.metrics.address
         if config.http_port is not None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -188,6 +189,14 @@ class _RouterMetrics:
             LABELS,
             registry=registry,
         ).labels(*labels)
+        self.estimate_error = Gauge(
+            "pdserve:ttft_estimate_error_seconds",
+            "How much longer than the placement decision estimated this router's recent "
+            "requests placed that way waited for their first token (and what it adds to "
+            "that path's next estimates)",
+            (*LABELS, "placement"),
+            registry=registry,
+        )
 
     def record(self, summary: RequestSummary) -> None:
         if summary.first_token_at:  # the prompt was computed and its first token sent
@@ -268,6 +277,13 @@ class WatchedHop(Protocol):
     def ms(self) -> float: ...
 
 
+class WatchedErrors(Protocol):
+    """What `ttft_estimate_error_seconds` reads (`router.disaggregation.EstimateErrors`)."""
+
+    @property
+    def ms(self) -> Mapping[str, float]: ...
+
+
 class ProcessMetrics:
     """This process's metrics, in a registry of its own, and the endpoint serving them.
 
@@ -302,6 +318,12 @@ class ProcessMetrics:
     def watch_remote_hop(self, hop: WatchedHop) -> None:
         """Serve the router's measured remote hop as `remote_hop_seconds`."""
         self.router.remote_hop.set_function(lambda: hop.ms / 1000)
+
+    def watch_estimate_errors(self, errors: WatchedErrors) -> None:
+        """Serve each placement's TTFT estimate error as `ttft_estimate_error_seconds`."""
+        for placement in errors.ms:
+            gauge = self.router.estimate_error.labels(*self.labels.values, placement)
+            gauge.set_function(lambda placement=placement: errors.ms[placement] / 1000)
 
     def close(self) -> None:
         """Stop serving; the process records nothing more."""
