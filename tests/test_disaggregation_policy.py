@@ -167,7 +167,7 @@ def test_colocated_prefill_already_queued_on_the_decode_worker_counts_against_it
 def test_the_stall_is_spread_over_the_shortest_output_running_on_the_decode_worker():
     # 40 ms of prefill: 0.3 ms on each of 128 tokens, but 40 ms on a 2-token output's one
     # interval, which takes its TPOT from 15 to 55 ms, past the 50 ms target
-    pool = load(queued_tokens=20, num_queued=1, step_ms=10.0)  # remote: 5 + 40 + hop
+    pool = load(queued_tokens=20, num_queued=1, step_ms=10.0)  # remote: 5 + 50 + hop
     long_outputs = load(num_queued=3, step_ms=15.0, shortest_output=128)
     short_output = load(num_queued=3, step_ms=15.0, shortest_output=2)
     spread = decide(snapshot(80, long_outputs, pool), TARGETS)
@@ -275,7 +275,7 @@ def test_a_path_that_kept_its_requests_waiting_past_its_estimate_loses_to_the_ot
 def test_a_pool_that_keeps_missing_the_ttft_target_does_not_take_a_prompt_for_tpot():
     # colocating pushes a 2-token output's TPOT past 50 ms; the pool's estimate meets the
     # 200 ms TTFT target, but its requests lately waited 200 ms past theirs
-    pool = load(queued_tokens=20, num_queued=1, step_ms=10.0)  # remote: 5 + 40 + hop
+    pool = load(queued_tokens=20, num_queued=1, step_ms=10.0)  # remote: 5 + 50 + hop
     short_output = load(num_queued=3, step_ms=15.0, shortest_output=2)
     late_pool = Snapshot(80, short_output, (pool,), RATE, remote_error_ms=200.0)
     assert decide(snapshot(80, short_output, pool), TARGETS).reason is Reason.DECODE_TPOT
