@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from manual_clock import Clock
 
 from pdserve.core.workers import WorkerInfo
 from pdserve.router.breaker import (
@@ -23,14 +24,6 @@ from pdserve.router.discovery.guarded import GuardedDiscovery
 from pdserve.router.handoff import Attempt, AttemptHistory, WorkerTimeout, error_text
 
 SETTINGS = BreakerSettings(failures=3, window_s=10.0, cooldown_s=5.0)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture

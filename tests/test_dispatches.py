@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 
+import grpc
 import pytest
+from fuzz_support import InProcessServers, start_router, start_worker, wait_for
+from manual_clock import Clock
 
+from pdserve.api.v1 import router_pb2, router_pb2_grpc
 from pdserve.core.block_hash import prompt_block_hashes
+from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.workers import WorkerInfo
+from pdserve.router.disaggregation import LiveColocation, Placement, Reason, Targets
 from pdserve.router.dispatches import MAX_DISPATCHED_HASHES, RecentDispatches
 from pdserve.router.policy import CacheAwarePrefill, MostFreeDecode
+from pdserve.rpc.wire import sampling_params_to_proto
 
 BLOCK_SIZE = 16
-
-
-class Clock:
-    def __init__(self, now: float = 1000.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def decode(address: str, free_blocks: int = 100, updated_at: float = 999.0) -> WorkerInfo:
@@ -139,6 +138,147 @@ def test_a_clock_that_steps_back_never_hides_a_dispatch():
 def test_the_horizon_must_be_positive():
     with pytest.raises(ValueError, match="horizon_s"):
         RecentDispatches(horizon_s=0)
+
+
+# -- what ended since a report ---------------------------------------------------------
+
+
+def busy(address: str, updated_at: float = 999.0, **load) -> WorkerInfo:
+    """A decode worker whose report counts one running request holding 10 blocks, with
+    64 tokens to go at most; `load` overrides."""
+    fields = {"running": 1, "free_blocks": 90, "shortest_running_output": 64, **load}
+    return dataclasses.replace(decode(address, updated_at=updated_at), **fields)
+
+
+def test_a_request_that_ended_since_the_report_no_longer_counts_there():
+    clock = Clock()
+    dispatches = RecentDispatches(clock=clock)
+    dispatches.ended("a:1", requests=1, num_blocks=10)  # its stream's last token, relayed
+
+    (seen,) = dispatches.adjust([busy("a:1")])
+
+    assert (seen.running, seen.waiting, seen.free_blocks) == (0, 0, 100)
+    assert seen.shortest_running_output == 0  # nothing left running: no output to protect
+
+
+def test_an_ending_the_report_already_reflects_is_not_taken_off_again():
+    clock = Clock()
+    dispatches = RecentDispatches(clock=clock)
+    dispatches.ended("a:1", requests=1, num_blocks=10)
+    newer = busy("a:1", updated_at=clock.now + 0.1)  # a later request runs there now
+
+    assert dispatches.adjust([newer])[0] is newer
+
+
+def test_an_ending_comes_off_what_waits_first_then_off_what_runs():
+    dispatches = RecentDispatches(clock=Clock())
+    dispatches.ended("a:1", requests=2, num_blocks=20)
+
+    (seen,) = dispatches.adjust([busy("a:1", running=2, waiting=1, free_blocks=70)])
+
+    assert (seen.running, seen.waiting, seen.free_blocks) == (1, 0, 90)
+    assert seen.shortest_running_output == 64  # one still runs: its report stands
+
+
+def test_endings_never_take_a_worker_below_idle():
+    """A request that ended before the worker ever reported it comes off a report that
+    never held it: the view stops at idle and all blocks free, and the next report is
+    exact again."""
+    dispatches = RecentDispatches(clock=Clock())
+    dispatches.ended("a:1", requests=3, num_blocks=30, num_tokens=500)
+
+    (seen,) = dispatches.adjust([busy("a:1", queued_prefill_tokens=100)])
+
+    assert (seen.running, seen.waiting, seen.free_blocks) == (0, 0, 100)
+    assert seen.queued_prefill_tokens == 0
+
+
+def test_a_prompt_computed_leaves_the_queue_and_its_request_leaves_the_worker():
+    """A colocated prompt, as the runner reports it: dispatched with its blocks and
+    tokens; at its first token the tokens leave the queue; at its stream's end the
+    request and its blocks leave. The view goes back to the report, step by step."""
+    clock = Clock()
+    dispatches = RecentDispatches(clock=clock)
+    report = busy("a:1")
+    dispatches.record("a:1", num_blocks=4, num_tokens=40)
+    (sent,) = dispatches.adjust([report])
+    assert (sent.running, sent.waiting, sent.free_blocks, sent.queued_prefill_tokens) == (
+        1,
+        1,
+        86,
+        40,
+    )
+
+    clock.now += 0.05
+    dispatches.ended("a:1", num_tokens=40)
+    (computed,) = dispatches.adjust([report])
+    assert (computed.waiting, computed.free_blocks, computed.queued_prefill_tokens) == (1, 86, 0)
+
+    clock.now += 1.0
+    dispatches.ended("a:1", requests=1, num_blocks=4)
+    (done,) = dispatches.adjust([report])
+    assert (done.running, done.waiting, done.free_blocks, done.queued_prefill_tokens) == (
+        1,
+        0,
+        90,
+        0,
+    )
+
+
+def test_dispatches_and_endings_count_exactly_against_a_recount():
+    """Thousands of each, interleaved, while old ones expire and the lists get trimmed."""
+    clock = Clock()
+    dispatches = RecentDispatches(horizon_s=2.0, clock=clock)
+    events: list[tuple[float, int, int]] = []  # (time, +1 sent / -1 ended, blocks)
+    for i in range(6000):
+        blocks = i % 5
+        if i % 3 == 2:
+            dispatches.ended("a:1", requests=1, num_blocks=blocks, num_tokens=2 * blocks)
+            events.append((clock.now, -1, blocks))
+        else:
+            dispatches.record("a:1", num_blocks=blocks, num_tokens=2 * blocks)
+            events.append((clock.now, 1, blocks))
+        clock.now += 0.001
+        if i % 250 == 0:
+            report = busy("a:1", running=1000, free_blocks=5000, queued_prefill_tokens=10_000)
+            report = dataclasses.replace(report, total_blocks=10_000)
+            for snapshot_at in (clock.now - 0.4, 0.0):
+                report = dataclasses.replace(report, updated_at=snapshot_at)
+                (seen,) = dispatches.adjust([report])
+                live = [
+                    (sign, b)
+                    for at, sign, b in events
+                    if at > snapshot_at and at >= clock.now - 2.0
+                ]
+                net = sum(sign for sign, _ in live)
+                net_blocks = sum(sign * b for sign, b in live)
+                assert seen.running + seen.waiting == 1000 + net, i
+                assert seen.free_blocks == 5000 - net_blocks, i
+                assert seen.queued_prefill_tokens == 10_000 + 2 * net_blocks, i
+
+
+def test_a_decode_worker_whose_last_request_ended_takes_the_next_short_prompt_itself():
+    """The short workload's case: the decode worker's report, up to a second old, still
+    counts the request whose last token the router relayed. Read as it is, the worker
+    looks busy and the pool idle, and the prompt is sent through the pool for nothing."""
+    clock = Clock()
+    dispatches = RecentDispatches(clock=clock)
+    placement = LiveColocation(Targets(ttft_s=0.25, tpot_s=0.05))
+    # 40 tokens at 2 a ms: 20 ms either way, and the remote path's hop (20 ms, until
+    # measured) on top; busy, the decode worker's half step in progress and the 30 ms step
+    # the prompt joins (45 ms) cost more than the hop
+    assert placement.hop.ms == 20
+    decode_report = busy("d:1", step_time_ms=30.0, prefill_tokens_per_s=2000.0)
+    pool = [prefill("p:1")]
+
+    def decided():
+        [decode_now] = dispatches.adjust([decode_report])
+        return placement.decide(decode_now, dispatches.adjust(pool), hashes_of(1, 40), 40)
+
+    assert decided().placement is Placement.REMOTE  # it waits out half a step, then joins one
+    dispatches.ended("d:1", requests=1, num_blocks=10)
+    d = decided()
+    assert (d.placement, d.reason) == (Placement.COLOCATED, Reason.COLOCATED_FASTER)
 
 
 # -- block hashes ----------------------------------------------------------------------
@@ -276,3 +416,69 @@ def test_a_burst_of_distinct_prompts_still_alternates_between_prefill_workers():
     chosen = [route(policy, dispatches, workers, hashes_of(seed)) for seed in range(6)]
 
     assert chosen == ["10.0.0.1:1", "10.0.0.2:1"] * 3
+
+
+# -- a real router: every dispatch has its ending -------------------------------------------
+
+SHORT, LONG = 8, 40  # prompt tokens: under and over the cluster's --colocate-below
+
+
+@pytest.fixture(scope="module")
+def served(demo_model_dir, redis_url):
+    """A prefill and a decode worker and a router in this process (static discovery);
+    prompts under 16 tokens are prefilled on the decode worker, the others remote."""
+    servers = InProcessServers()
+    try:
+        engine = {"num_kv_blocks": 256, "max_model_len": 128}
+        pool = start_worker(servers, demo_model_dir, "prefill", engine=engine)
+        decoder = start_worker(servers, demo_model_dir, "decode", engine=engine)
+        router = start_router(
+            servers,
+            demo_model_dir,
+            redis_url,
+            prefill=[pool.address],
+            decode=[decoder.address],
+            colocate_below=16,
+        )
+        yield router, pool.address, decoder.address
+    finally:
+        servers.close()
+
+
+def test_once_its_requests_end_the_router_counts_nothing_outstanding_on_any_worker(served):
+    """Whatever path each request took (colocated, remote, refused at the door), the
+    router's view of each worker goes back to the worker's own report once they end:
+    every dispatch it counted has its ending."""
+    router, pool, decoder = served
+    runner = router.app.runner
+    runner.dispatches = RecentDispatches(horizon_s=600.0)  # nothing expires while we look
+    too_long = [3] * 500  # past max_model_len: the decode worker refuses it at Admit
+    with grpc.insecure_channel(router.address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        for prompt in ([3] * SHORT, [5] * LONG, too_long, [7] * LONG):
+            request = router_pb2.GenerateRequest(
+                token_ids=router_pb2.TokenIds(ids=prompt),
+                sampling=sampling_params_to_proto(SamplingParams(max_tokens=4, ignore_eos=True)),
+            )
+            try:
+                list(stub.Generate(request, timeout=60))
+            except grpc.RpcError as exc:
+                assert prompt is too_long, exc.details()
+
+    # as the workers last reported, a while ago: each busy, 40 tokens queued
+    reported = {
+        address: dataclasses.replace(
+            busy(address, updated_at=0.0, running=3, queued_prefill_tokens=40),
+            total_blocks=100,
+        )
+        for address in (pool, decoder)
+    }
+
+    def outstanding() -> dict[str, tuple[int, int, int, int]]:
+        return {
+            w.address: (w.running, w.waiting, w.free_blocks, w.queued_prefill_tokens)
+            for w in runner.dispatches.adjust(list(reported.values()))
+        }
+
+    settled = dict.fromkeys((pool, decoder), (3, 0, 90, 40))
+    assert wait_for(lambda: outstanding() == settled, within_s=10), outstanding()

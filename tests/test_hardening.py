@@ -19,6 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from manual_clock import Clock
 from procs import router_process, worker_process
 
 from pdserve.api.v1 import (
@@ -163,14 +164,6 @@ async def test_renewals_stop_at_the_lease_lifetime_and_its_blocks_come_back(demo
         assert (load.free_blocks, load.open_leases) == (NUM_KV_BLOCKS, 0)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_lease_gets_the_ttl_asked_for_up_to_the_cap_and_the_default_for_none():
     limits = LeaseLimits(default_ttl_s=30.0, max_ttl_s=120.0, max_lifetime_s=600.0)
     assert limits.terms(MAX_TTL_MS / 1000) == LeaseTerms(ttl_s=120.0, max_lifetime_s=600.0)
@@ -179,7 +172,7 @@ def test_a_lease_gets_the_ttl_asked_for_up_to_the_cap_and_the_default_for_none()
 
 
 def test_renewals_move_the_deadline_up_to_the_lifetime_and_then_are_refused():
-    clock = Clock()
+    clock = Clock(100.0)
     table = LeaseTable(num_layers=1, clock=clock)
     lease = table.issue("r", num_blocks=1, terms=LeaseTerms(ttl_s=2.0, max_lifetime_s=5.0))
     for _ in range(3):  # at 101, 102, 103.5: deadlines 103, 104, 105 (the lifetime's end)

@@ -1,4 +1,5 @@
-"""What this router sent to each worker since that worker last reported its load.
+"""What this router sent to each worker, and saw end there, since that worker last
+reported its load.
 
 Load snapshots (registry heartbeats, load polls) are up to a second or two old. Ranked
 on the snapshot alone, a burst of requests all goes to whichever worker looked best
@@ -11,6 +12,12 @@ A dispatch counts while it is newer than the worker's ``updated_at`` and younger
 ``horizon_s``. The horizon bounds the cost of a snapshot that never moves (a worker
 whose clock runs ahead of ours, or one that stopped reporting), at which point the
 dispatch counts twice at worst for a moment: a conservative error, never a lost one.
+
+What the router sees end goes the other way (``ended``): a stream it relayed to its last
+token, a prompt whose first token came back, a worker's refusal. A report up to a second
+old still counts those, so a decode worker that has just finished its only request would
+look busy, and the remote-or-colocated decision would send the next short prompt through
+the pool to spare a batch that no longer runs.
 
 The same goes for prefix caches, as SGLang's router keeps an approximate tree of its
 own dispatches: the block hashes of a prompt sent to a worker count as cached there
@@ -87,55 +94,75 @@ class _SentHashes:
         return self._frozen
 
 
-class _Sent:
-    """One worker's dispatches within the horizon: their times, ascending, and running
-    totals of their blocks, so what came after a snapshot is a bisection away, however
-    many requests per second the router sends; and the block hashes they carried."""
+class _Ledger:
+    """Events at one worker within the horizon (dispatches, or endings): their times,
+    ascending, and running totals of the requests, blocks and prompt tokens they moved,
+    so what came after a snapshot is a bisection away, however many requests per second
+    the router sends."""
 
-    __slots__ = ("times", "totals", "tokens", "base", "token_base", "start", "hashes", "_view")
+    __slots__ = ("times", "totals", "base", "start")
 
     def __init__(self) -> None:
         self.times: list[float] = []
-        self.totals: list[int] = []  # totals[i]: base + blocks of dispatches 0..i
-        self.tokens: list[int] = []  # the same for the prompt tokens they bring to compute
-        self.base = self.token_base = 0  # blocks, tokens of the dispatches trimmed off
-        self.start = 0  # dispatches before it are past the horizon
-        self.hashes = _SentHashes()
-        self._view: CachedHashes | None = None  # the last snapshot's view, for reuse
+        # totals[i]: base + (requests, blocks, tokens) of events 0..i
+        self.totals: list[tuple[int, int, int]] = []
+        self.base = (0, 0, 0)  # the totals of the events trimmed off
+        self.start = 0  # events before it are past the horizon
 
     @property
     def is_empty(self) -> bool:
-        return self.start == len(self.times) and not self.hashes.latest
+        return self.start == len(self.times)
 
-    def add(self, at: float, num_blocks: int, block_hashes: Sequence[str], num_tokens: int) -> None:
-        # A wall clock may step back: keep the times sorted (a dispatch then counts as
-        # a little later, never as seen before it was sent).
+    def add(self, at: float, requests: int, num_blocks: int, num_tokens: int) -> None:
+        # A wall clock may step back: keep the times sorted (an event then counts as a
+        # little later, never as seen before it happened).
         at = max(at, self.times[-1]) if self.times else at
+        last = self.totals[-1] if self.totals else self.base
         self.times.append(at)
-        self.totals.append((self.totals[-1] if self.totals else self.base) + num_blocks)
-        self.tokens.append((self.tokens[-1] if self.tokens else self.token_base) + num_tokens)
-        if block_hashes:
-            self.hashes.add(at, block_hashes)
+        self.totals.append((last[0] + requests, last[1] + num_blocks, last[2] + num_tokens))
 
     def expire(self, before: float) -> None:
         self.start = bisect.bisect_left(self.times, before, self.start)
         if self.start > COMPACT_AFTER and self.start * 2 > len(self.times):
             self.base = self.totals[self.start - 1]
-            self.token_base = self.tokens[self.start - 1]
-            del self.times[: self.start], self.totals[: self.start], self.tokens[: self.start]
+            del self.times[: self.start], self.totals[: self.start]
             self.start = 0
-        self.hashes.expire(before)
 
     def since(self, at: float) -> tuple[int, int, int]:
-        """(how many, their blocks, their prompt tokens) dispatched after `at`, within the
-        horizon."""
+        """(requests, blocks, prompt tokens) of the events after `at`, within the horizon."""
         first = bisect.bisect_right(self.times, at, self.start)
-        count = len(self.times) - first
-        if not count:
+        if first == len(self.times):
             return 0, 0, 0
-        blocks = self.totals[-1] - (self.totals[first - 1] if first else self.base)
-        tokens = self.tokens[-1] - (self.tokens[first - 1] if first else self.token_base)
-        return count, blocks, tokens
+        before = self.totals[first - 1] if first else self.base
+        last = self.totals[-1]
+        return last[0] - before[0], last[1] - before[1], last[2] - before[2]
+
+
+class _Sent:
+    """One worker's dispatches and endings within the horizon, and the block hashes the
+    dispatches carried."""
+
+    __slots__ = ("dispatched", "ended", "hashes", "_view")
+
+    def __init__(self) -> None:
+        self.dispatched = _Ledger()
+        self.ended = _Ledger()
+        self.hashes = _SentHashes()
+        self._view: CachedHashes | None = None  # the last snapshot's view, for reuse
+
+    @property
+    def is_empty(self) -> bool:
+        return self.dispatched.is_empty and self.ended.is_empty and not self.hashes.latest
+
+    def add(self, at: float, num_blocks: int, block_hashes: Sequence[str], num_tokens: int) -> None:
+        self.dispatched.add(at, 1, num_blocks, num_tokens)
+        if block_hashes:
+            self.hashes.add(at, block_hashes)
+
+    def expire(self, before: float) -> None:
+        self.dispatched.expire(before)
+        self.ended.expire(before)
+        self.hashes.expire(before)
 
     def cached_view(self, reported: list[str]) -> list[str]:
         """`reported` with the dispatched hashes added; the same object until either
@@ -148,21 +175,33 @@ class _Sent:
         return view
 
     def adjusted(self, worker: WorkerInfo) -> WorkerInfo:
-        count, num_blocks, num_tokens = self.since(worker.updated_at)
+        sent, sent_blocks, sent_tokens = self.dispatched.since(worker.updated_at)
+        done, freed_blocks, done_tokens = self.ended.since(worker.updated_at)
         cached = self.cached_view(worker.cached_block_hashes)
-        if not count and cached is worker.cached_block_hashes:
+        if not sent and not done and cached is worker.cached_block_hashes:
             return worker
+        # what ended comes off what waits first, then off what runs; never below none
+        waiting = worker.waiting + sent - done
+        running = worker.running + min(waiting, 0)
+        running, waiting = max(running, 0), max(waiting, 0)
         return dataclasses.replace(
             worker,
-            waiting=worker.waiting + count,
-            free_blocks=worker.free_blocks - num_blocks,
-            queued_prefill_tokens=worker.queued_prefill_tokens + num_tokens,
+            running=running,
+            waiting=waiting,
+            free_blocks=min(
+                worker.free_blocks - sent_blocks + freed_blocks,
+                max(worker.total_blocks, worker.free_blocks),
+            ),
+            queued_prefill_tokens=max(worker.queued_prefill_tokens + sent_tokens - done_tokens, 0),
+            # nothing left running there: no output to protect (router/disaggregation.py)
+            shortest_running_output=worker.shortest_running_output if running else 0,
             cached_block_hashes=cached,
         )
 
 
 class RecentDispatches:
-    """Dispatches per worker address, for ``adjust`` to add onto load snapshots."""
+    """Dispatches and endings per worker address, for ``adjust`` to add onto load
+    snapshots."""
 
     def __init__(
         self, horizon_s: float = DEFAULT_HORIZON_S, clock: Callable[[], float] = time.time
@@ -174,7 +213,8 @@ class RecentDispatches:
         self._swept_at = -float("inf")
 
     def __len__(self) -> int:
-        """Workers with dispatches remembered (departed ones are forgotten in time)."""
+        """Workers with dispatches or endings remembered (departed ones are forgotten in
+        time)."""
         return len(self._sent)
 
     def record(
@@ -199,12 +239,32 @@ class RecentDispatches:
             sent = self._sent[address] = _Sent()
         sent.add(self._clock(), num_blocks, block_hashes, num_tokens)
 
+    def ended(
+        self, address: str, *, requests: int = 0, num_blocks: int = 0, num_tokens: int = 0
+    ) -> None:
+        """What the router just saw leave ``address``, the mirror of ``record``: a prompt
+        computed (its ``num_tokens`` leave the queue: a prefill's reply, a colocated
+        prompt's first token), a request gone (``requests=1`` and the ``num_blocks`` it
+        held: its stream ended, or the worker refused or failed it).
+
+        A worker's report counts a request until its next one, a second or more after
+        the router relayed its last token: without this, a decode worker that finished
+        its only request looks busy, and a short prompt that could have been prefilled
+        there at once is sent through the pool instead. An ending counts against the
+        snapshots taken before it; a request that ends before the worker ever reported
+        it comes off a report that never held it, which the next report puts right."""
+        sent = self._sent.get(address)
+        if sent is None:
+            sent = self._sent[address] = _Sent()
+        sent.ended.add(self._clock(), requests, num_blocks, num_tokens)
+
     def adjust(self, workers: Sequence[WorkerInfo]) -> list[WorkerInfo]:
         """``workers`` as they will report once they have seen what we sent since.
 
         Each dispatch newer than the worker's snapshot adds one waiting request and
-        takes its blocks from ``free_blocks``; the block hashes of every dispatch within
-        the horizon join ``cached_block_hashes``. Workers with none come back unchanged
+        takes its blocks from ``free_blocks`` (its prompt tokens join the queue); each
+        ending newer than it takes them off again; the block hashes of every dispatch
+        within the horizon join ``cached_block_hashes``. Workers with none come back unchanged
         (the same objects, so per-snapshot caches keyed on them keep working).
         """
         now = self._clock()

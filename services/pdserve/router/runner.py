@@ -209,6 +209,9 @@ class RequestRunner:
                 )
         finally:
             stream.cancel()  # no-op when it ended; frees the decode side when we stop early
+            self.dispatches.ended(
+                admission.decode_address, requests=1, num_blocks=attempt.num_blocks_needed
+            )
 
     async def reattach(
         self, orphan: Orphan, from_token: int, attempt: Attempt, events: AttemptEvents
@@ -268,7 +271,12 @@ class RequestRunner:
             admit = self.handoff.admit(worker.address, attempt)
             try:
                 admission = await self._call("decode", worker.address, attempt, admit)
-            except grpc.aio.AioRpcError as exc:
+            except BaseException as exc:
+                self.dispatches.ended(
+                    worker.address, requests=1, num_blocks=attempt.num_blocks_needed
+                )
+                if not isinstance(exc, grpc.aio.AioRpcError):
+                    raise
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     events.on_failover(worker.address, exc)
                     num_exhausted += 1
@@ -324,6 +332,8 @@ class RequestRunner:
                 if isinstance(exc, WorkerTimeout):
                     raise
                 last_error = exc  # the lease is still open: the next worker pushes into it
+            finally:  # its first token came back, or it failed there: off that worker's queue
+                self.dispatches.ended(worker.address, requests=1, num_tokens=len(attempt.prompt))
         raise last_error
 
     async def _watched_prefill(
@@ -358,37 +368,56 @@ class RequestRunner:
         events.on_admitted(worker.address)
         events.on_prefill_worker(worker.address)
         metrics.routing_decision(COLOCATED_POLICY, RoutingOutcome.COLOCATED, placement.reason)
+        num_tokens = len(attempt.prompt)
+
+        def computed() -> None:  # its first token: the prompt has left the queue there
+            self.dispatches.ended(worker.address, num_tokens=num_tokens)
+
         errors = self.config.colocation.errors
-        first_token = FirstTokenTimer(events.deliver_decoded, errors, placement)
+        first_token = FirstTokenTimer(events.deliver_decoded, errors, placement, computed)
         stream = self.handoff.colocated(worker.address, attempt)
         try:
             deliver = stream.deliver(first_token)
             await self._call("decode", worker.address, attempt, deliver)
         finally:
             stream.cancel()
+            self.dispatches.ended(
+                worker.address,
+                requests=1,
+                num_blocks=attempt.num_blocks_needed,
+                num_tokens=0 if first_token.seen else num_tokens,
+            )
 
     async def close(self) -> None:
         await self.handoff.close()
 
 
 class FirstTokenTimer:
-    """Passes a colocated request's deltas on, and tells the placement's errors how long
-    its first one took after the decision (a colocated prompt's first token comes with
-    its stream)."""
+    """Passes a colocated request's deltas on; at its first (a colocated prompt's first
+    token comes with its stream), tells the placement's errors how long it took after
+    the decision, and `on_first` that the prompt is computed."""
 
-    __slots__ = ("_deliver", "_errors", "_placement", "_asked")
+    __slots__ = ("_deliver", "_errors", "_placement", "_on_first", "_asked")
 
     def __init__(
         self,
         deliver: Callable[[decode_pb2.TokenDelta], None],
         errors: EstimateErrors,
         placement: Decision,
+        on_first: Callable[[], None] = lambda: None,
     ):
         self._deliver, self._errors, self._placement = deliver, errors, placement
+        self._on_first = on_first
         self._asked: float | None = time.perf_counter()
+
+    @property
+    def seen(self) -> bool:
+        """Whether the first delta came."""
+        return self._asked is None
 
     def __call__(self, delta: decode_pb2.TokenDelta) -> None:
         if self._asked is not None:
             self._errors.observe(self._placement, (time.perf_counter() - self._asked) * 1000)
             self._asked = None
+            self._on_first()
         self._deliver(delta)
