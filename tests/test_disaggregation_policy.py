@@ -10,6 +10,7 @@ import urllib.request
 
 import grpc
 import pytest
+from manual_clock import Clock
 
 from pdserve.api.v1 import decode_pb2, router_pb2, router_pb2_grpc
 from pdserve.cluster.load import worker_load
@@ -24,6 +25,7 @@ from pdserve.router.disaggregation import (
     DEFAULT_REMOTE_HOP_MS,
     ERROR_SAMPLES,
     HOP_SAMPLES,
+    SAMPLE_MAX_AGE_S,
     EstimateErrors,
     LiveColocation,
     Placement,
@@ -178,6 +180,20 @@ def test_the_stall_is_spread_over_the_shortest_output_running_on_the_decode_work
     assert felt.decode_tpot_ms == pytest.approx(55)
 
 
+def test_an_idle_decode_worker_has_no_tpot_to_protect_however_slow_its_steps():
+    # its last steps took 80 ms, past the 50 ms target: the prompt's own tokens will
+    # take that wherever it is prefilled, and nothing else decodes there to slow down
+    idle_slow = load(step_ms=80.0)
+    d = decide(snapshot(40, idle_slow, load()), TARGETS)
+    assert (d.placement, d.reason, d.decode_tpot_ms) == (
+        Placement.COLOCATED,
+        Reason.COLOCATED_FASTER,
+        0.0,
+    )
+    busy_slow = load(num_queued=1, step_ms=80.0)  # a request decodes there: its TPOT counts
+    assert decide(snapshot(40, busy_slow, load()), TARGETS).reason is Reason.DECODE_TPOT
+
+
 def test_past_the_tpot_target_a_prompt_the_pool_would_keep_waiting_is_still_colocated():
     # the pool would miss the TTFT target too: one target is lost either way, and
     # colocating costs the decoding requests 40 ms over their tokens, not a chunk's wait
@@ -293,6 +309,44 @@ def test_live_colocation_learns_from_the_uncorrected_estimates_so_its_errors_set
         colocation.errors.observe(d, 110.0)
     assert colocation.errors.ms[Placement.REMOTE] == pytest.approx(50)  # not 50, then 0
     assert colocation.decide(decode, [pool], [], 80).snapshot.remote_error_ms == 50
+
+
+def test_the_hop_and_the_errors_forget_samples_past_their_age():
+    clock = Clock(0.0)
+    hop, errors = RemoteHop(clock), EstimateErrors(clock)
+    remote = decide(snapshot(40, load(num_queued=2, step_ms=30.0), load()), TARGETS)
+    hop.observe(waited_ms=90.0, prefill_ms=50.0)
+    errors.observe(remote, 100.0)  # 60 ms past its 40 ms estimate
+    clock.now += SAMPLE_MAX_AGE_S / 2
+    hop.observe(waited_ms=60.0, prefill_ms=50.0)
+    errors.observe(remote, 50.0)
+    assert (hop.ms, errors.ms[Placement.REMOTE]) == (25.0, pytest.approx(35))  # both count
+
+    clock.now += SAMPLE_MAX_AGE_S / 2 + 0.1  # the first ones are past the age
+    assert (hop.ms, errors.ms[Placement.REMOTE]) == (10.0, pytest.approx(10))
+    clock.now += SAMPLE_MAX_AGE_S / 2  # and then the second ones too
+    assert (hop.ms, errors.ms[Placement.REMOTE]) == (DEFAULT_REMOTE_HOP_MS, 0.0)
+
+
+def test_a_path_left_after_a_slow_spell_is_tried_again_once_its_samples_age():
+    """Colocating would slow no one here: the faster path wins. The pool's requests of a
+    busy spell waited 60 ms past their estimates, so every prompt since was colocated and
+    taught the pool nothing; once that spell is past the age, the pool's plain estimate
+    (40 ms against the busy decode worker's 45) brings prompts back to it."""
+    clock = Clock(0.0)
+    colocation = LiveColocation(Targets(ttft_s=0.2, tpot_s=0.2), clock=clock)
+    decode = worker("d:1", "decode", running=2, step_time_ms=30.0)  # 15 + max(30, 20) ms
+    pool = worker("p:1", "prefill", prefill_tokens_per_s=RATE)  # 20 ms + the 20 ms hop
+    first = colocation.decide(decode, [pool], [], 40)
+    assert (first.placement, first.estimated_ttft_ms) == (Placement.REMOTE, pytest.approx(40))
+    for _ in range(3):
+        colocation.errors.observe(first, 100.0)
+    for _ in range(10):
+        clock.now += SAMPLE_MAX_AGE_S / 10 - 0.01
+        assert colocation.decide(decode, [pool], [], 40).colocated
+    clock.now += 0.2
+    d = colocation.decide(decode, [pool], [], 40)
+    assert (d.placement, d.reason) == (Placement.REMOTE, Reason.REMOTE_FASTER)
 
 
 def test_only_requests_placed_by_the_estimates_teach_their_errors():

@@ -1,11 +1,13 @@
 """Where a prompt is prefilled: on the prefill pool (remote) or on its decode worker itself
-(colocated), decided per request from the workers' live load. Pure: no I/O, no clock.
+(colocated), decided per request from the workers' live load. The decision (`decide`) is
+pure: no I/O, no clock; what it learns (`RemoteHop`, `EstimateErrors`) ages by a clock.
 
 Disaggregation keeps long prefills off the decode workers (their TPOT), at the price of a
 hop, and of a queue at the prefill pool that every prompt joins: a short prompt arriving
 while the pool works through long ones waits for them. So the router estimates, from
 what the workers last reported (`WorkerInfo`: queued prefill tokens, step time, prefill
-speed, step token budget, cached prefixes, the shortest running output), the prompt's
+speed, step token budget, cached prefixes, the shortest running output; with what the
+router sent there, and saw end there, since: `router/dispatches.py`), the prompt's
 TTFT both ways and what prefilling it would do to the decode worker, and decides:
 
 1. no prefill worker to send it to: colocated;
@@ -48,11 +50,14 @@ not report one) and `step` its recent step time:
     tpot       = step + stall / (S - 1), with S the shortest max_tokens running there
                  (TPOT averages a request's whole output, so a longer step is shared by
                  its tokens; the one with the fewest feels it most); step alone when
-                 nothing runs there
+                 the worker does not say (S = 0 with requests there), and 0 when it has
+                 none (n = 0): no request there to slow down, and the prompt's own
+                 tokens come at the step time wherever it is prefilled
 
 `hop` is what the remote path adds to the prefill worker's own time: the median of the
 router's recent remote requests, each its wait from Admit to the first token less the
-time the prefill worker says it took (`RemoteHop`); DEFAULT_REMOTE_HOP_MS before any.
+time the prefill worker says it took (`RemoteHop`); DEFAULT_REMOTE_HOP_MS while there
+is none younger than SAMPLE_MAX_AGE_S.
 
 Both TTFT estimates are then corrected by what each path's own requests showed them to
 miss (`EstimateErrors`): the median, over the router's recent requests placed that way,
@@ -61,7 +66,10 @@ load reports cannot see the cost of moves by it: on a lightly loaded cluster, a 
 prompt lands on a prefill worker that has slept for seconds and wakes one more process
 than a colocated one, and takes tens of ms longer than its estimate said (on 2-core VMs,
 docs/benchmarks.md, issue 16), so short prompts stay where they are decoded until the
-decode worker's own estimate, and its error, grow past the pool's.
+decode worker's own estimate, and its error, grow past the pool's. Samples older than
+SAMPLE_MAX_AGE_S drop out, so a path that stopped being chosen after a slow spell goes
+back to its plain estimate and is tried, and measured, again: a router's errors do not
+depend on which path happened to win its first busy minute.
 
 A fixed `--colocate-below N` replaces the decision, and `--prefill-placement` with it:
 prompts under N tokens (or almost entirely cached there) are colocated, the others
@@ -72,8 +80,9 @@ from __future__ import annotations
 
 import enum
 import statistics
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.core.workers import WorkerInfo
@@ -90,30 +99,64 @@ DEFAULT_REMOTE_HOP_MS = 20.0
 HOP_SAMPLES = 32
 # Each path's estimate error is the median of this many of its recent requests'.
 ERROR_SAMPLES = 32
+# The hop's and the errors' samples count for this long. A path the decision stopped
+# choosing teaches nothing new, so without an age its worst spell would keep it out for
+# good (a busy minute's remote requests, say, with every prompt colocated since): once
+# its samples are this old it goes back to its plain estimate, is chosen again where
+# that is the faster, and is measured anew.
+SAMPLE_MAX_AGE_S = 20.0
 DEFAULT_TTFT_TARGET_S = 0.25
 DEFAULT_TPOT_TARGET_S = 0.05
 MS = 1000.0
 
 
+class RecentSamples:
+    """The median of the last `maxlen` samples younger than SAMPLE_MAX_AGE_S; `default`
+    when there are none."""
+
+    __slots__ = ("_samples", "_default", "_clock")
+
+    def __init__(
+        self, maxlen: int, default: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._samples: deque[tuple[float, float]] = deque(maxlen=maxlen)  # (when, value)
+        self._default, self._clock = default, clock
+
+    def add(self, value: float) -> None:
+        self._samples.append((self._clock(), value))
+
+    @property
+    def median(self) -> float:
+        oldest = self._clock() - SAMPLE_MAX_AGE_S
+        while self._samples and self._samples[0][0] < oldest:
+            self._samples.popleft()
+        if not self._samples:
+            return self._default
+        return statistics.median(value for _, value in self._samples)
+
+
 class RemoteHop:
     """What the remote path adds to a prompt's TTFT, measured on the router's own remote
-    requests: the median of the last HOP_SAMPLES, DEFAULT_REMOTE_HOP_MS before any. Each
-    is the router's wait from Admit to the first token less the prefill worker's own time
-    (its queue and compute, which the estimates model from the load reports)."""
+    requests: the median of the last HOP_SAMPLES within SAMPLE_MAX_AGE_S,
+    DEFAULT_REMOTE_HOP_MS when there are none. Each is the router's wait from Admit to
+    the first token less the prefill worker's own time (its queue and compute, which the
+    estimates model from the load reports)."""
 
-    __slots__ = ("_samples", "ms")
+    __slots__ = ("_samples",)
 
-    def __init__(self) -> None:
-        self._samples: deque[float] = deque(maxlen=HOP_SAMPLES)
-        self.ms = DEFAULT_REMOTE_HOP_MS
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._samples = RecentSamples(HOP_SAMPLES, DEFAULT_REMOTE_HOP_MS, clock)
+
+    @property
+    def ms(self) -> float:
+        return self._samples.median
 
     def observe(self, waited_ms: float, prefill_ms: float) -> None:
         """One remote request: the router waited `waited_ms`, its worker took `prefill_ms`
         (0: a worker that does not say, which teaches nothing)."""
         if prefill_ms <= 0:
             return
-        self._samples.append(max(waited_ms - prefill_ms, 0.0))
-        self.ms = statistics.median(self._samples)
+        self._samples.add(max(waited_ms - prefill_ms, 0.0))
 
 
 class PlacementMode(enum.StrEnum):
@@ -143,26 +186,30 @@ class Reason(enum.StrEnum):
 class EstimateErrors:
     """How far each placement's TTFT estimate fell short of what its requests then waited,
     as the router measured it: per placement, the median of its last ERROR_SAMPLES
-    requests' (wait to the first token less the uncorrected estimate the decision made),
-    0 before any. Negative when the estimates ran pessimistic.
+    requests' (wait to the first token less the uncorrected estimate the decision made)
+    within SAMPLE_MAX_AGE_S, 0 when there are none. Negative when the estimates ran
+    pessimistic.
 
     Only requests whose placement the estimates decided teach it (`_COMPARED`): a long
     prompt sent to the pool because it would stall the decode worker is not one, and its
     wait (seconds in the queue, under least-work order) says nothing about a short one's."""
 
-    __slots__ = ("_samples", "ms")
+    __slots__ = ("_samples",)
 
-    def __init__(self) -> None:
-        self._samples = {placement: deque(maxlen=ERROR_SAMPLES) for placement in Placement}
-        self.ms = dict.fromkeys(Placement, 0.0)
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._samples = {
+            placement: RecentSamples(ERROR_SAMPLES, 0.0, clock) for placement in Placement
+        }
+
+    @property
+    def ms(self) -> dict[Placement, float]:
+        return {placement: samples.median for placement, samples in self._samples.items()}
 
     def observe(self, decision: Decision, waited_ms: float) -> None:
         """One request placed by `decision` waited `waited_ms` from it to its first token."""
         if decision.reason not in _COMPARED:
             return
-        samples = self._samples[decision.placement]
-        samples.append(waited_ms - decision.estimated_ttft_ms)
-        self.ms[decision.placement] = statistics.median(samples)
+        self._samples[decision.placement].add(waited_ms - decision.estimated_ttft_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +269,10 @@ class WorkerLoad:
         return (self.queued_prefill_tokens + self.uncached(num_prompt_tokens)) / rate * MS
 
     def tpot_ms(self, stall_ms: float) -> float:
-        """The time per output token of the requests running here with `stall_ms` added."""
+        """The time per output token of the requests running here with `stall_ms` added
+        (0: none run here)."""
+        if not self.num_queued:
+            return 0.0
         if not self.shortest_running_output:
             return self.step_time_ms
         return self.step_time_ms + stall_ms / max(self.shortest_running_output - 1, 1)
@@ -355,10 +405,11 @@ class LiveColocation:
         targets: Targets,
         rule: ColocationRule | None = None,
         mode: PlacementMode = PlacementMode.LIVE,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.targets, self.rule, self.mode = targets, rule or ColocationRule(), mode
-        self.hop = RemoteHop()
-        self.errors = EstimateErrors()
+        self.hop = RemoteHop(clock)
+        self.errors = EstimateErrors(clock)
         self._hash_sets = CachedHashSets()
 
     def decide(
@@ -372,14 +423,15 @@ class LiveColocation:
         prefill candidates (unhealthy ones, and `decode` itself, are left out)."""
         candidates = [w for w in prefill if w.healthy and w.address != decode.address]
         self._hash_sets.retain([decode, *candidates])
+        errors = self.errors.ms
         snapshot = Snapshot(
             num_prompt_tokens,
             self._load(decode, block_hashes, num_prompt_tokens),
             tuple(self._load(w, block_hashes, num_prompt_tokens) for w in candidates),
             max((w.prefill_tokens_per_s for w in (decode, *candidates)), default=0.0),
             self.hop.ms,
-            self.errors.ms[Placement.REMOTE],
-            self.errors.ms[Placement.COLOCATED],
+            errors[Placement.REMOTE],
+            errors[Placement.COLOCATED],
         )
         return decide(snapshot, self.targets, self.rule, self.mode)
 
