@@ -264,10 +264,12 @@ def test_each_paths_error_is_the_median_of_its_requests_wait_less_their_estimate
     for waited_ms in (100.0, 50.0, 70.0):
         errors.observe(remote, waited_ms)
     assert errors.ms[Placement.REMOTE] == pytest.approx(30)  # of 60, 10 and 30
-    assert errors.ms[Placement.COLOCATED] == 0.0  # each path learns from its own requests
+    # with no request of its own, the other path weighs the same error
+    assert errors.ms[Placement.COLOCATED] == pytest.approx(30)
     colocated = decide(snapshot(40, load(), load()), TARGETS)  # 20 ms
     errors.observe(colocated, 12.0)
     assert errors.ms[Placement.COLOCATED] == pytest.approx(-8)  # pessimistic: below 0
+    assert errors.ms[Placement.REMOTE] == pytest.approx(30)  # each learns from its own
     for _ in range(ERROR_SAMPLES):
         errors.observe(remote, 41.0)
     assert errors.ms[Placement.REMOTE] == pytest.approx(1)  # only the last ERROR_SAMPLES count
@@ -330,23 +332,35 @@ def test_the_hop_and_the_errors_forget_samples_past_their_age():
 
 def test_a_path_left_after_a_slow_spell_is_tried_again_once_its_samples_age():
     """Colocating would slow no one here: the faster path wins. The pool's requests of a
-    busy spell waited 60 ms past their estimates, so every prompt since was colocated and
-    taught the pool nothing; once that spell is past the age, the pool's plain estimate
-    (40 ms against the busy decode worker's 45) brings prompts back to it."""
+    busy spell waited 60 ms past their estimates, so every prompt since was colocated
+    (waiting 30 ms past its own) and taught the pool nothing. Once the spell is past the
+    age, the pool is weighed with the colocated path's error: its plain estimate, 40 ms
+    against the busy decode worker's 45, brings the next prompt back to it; an idle decode
+    worker's 20 ms keeps it there."""
     clock = Clock(0.0)
     colocation = LiveColocation(Targets(ttft_s=0.2, tpot_s=0.2), clock=clock)
-    decode = worker("d:1", "decode", running=2, step_time_ms=30.0)  # 15 + max(30, 20) ms
+    busy = worker("d:1", "decode", running=2, step_time_ms=30.0)  # 15 + max(30, 20) ms
+    idle = worker("d:1", "decode", step_time_ms=30.0)  # 20 ms
     pool = worker("p:1", "prefill", prefill_tokens_per_s=RATE)  # 20 ms + the 20 ms hop
-    first = colocation.decide(decode, [pool], [], 40)
+    first = colocation.decide(busy, [pool], [], 40)
     assert (first.placement, first.estimated_ttft_ms) == (Placement.REMOTE, pytest.approx(40))
     for _ in range(3):
         colocation.errors.observe(first, 100.0)
+    quiet = colocation.decide(idle, [pool], [], 40)
+    assert quiet.colocated
+    colocation.errors.observe(quiet, 50.0)  # 30 ms past its 20
     for _ in range(10):
         clock.now += SAMPLE_MAX_AGE_S / 10 - 0.01
-        assert colocation.decide(decode, [pool], [], 40).colocated
+        d = colocation.decide(busy, [pool], [], 40)
+        assert d.colocated
+        colocation.errors.observe(d, 75.0)  # 30 ms past its 45
     clock.now += 0.2
-    d = colocation.decide(decode, [pool], [], 40)
+
+    d = colocation.decide(busy, [pool], [], 40)
     assert (d.placement, d.reason) == (Placement.REMOTE, Reason.REMOTE_FASTER)
+    assert d.snapshot.remote_error_ms == d.snapshot.colocated_error_ms == pytest.approx(30)
+    d = colocation.decide(idle, [pool], [], 40)
+    assert (d.placement, d.reason) == (Placement.COLOCATED, Reason.COLOCATED_FASTER)
 
 
 def test_only_requests_placed_by_the_estimates_teach_their_errors():
@@ -546,7 +560,8 @@ async def test_a_short_prompt_behind_long_prefills_is_colocated_and_a_long_one_i
         if line.startswith("pdserve:ttft_estimate_error_seconds{")
     }
     assert errors.keys() == {"remote", "colocated"}
-    assert errors["remote"] == 0 != errors["colocated"]
+    # the remote path, with no request of its own to learn from, weighs the colocated one's
+    assert errors["remote"] == errors["colocated"] != 0
 
 
 def _has_series(text: str, **labels: str) -> bool:

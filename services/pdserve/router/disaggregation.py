@@ -68,8 +68,10 @@ than a colocated one, and takes tens of ms longer than its estimate said (on 2-c
 docs/benchmarks.md, issue 16), so short prompts stay where they are decoded until the
 decode worker's own estimate, and its error, grow past the pool's. Samples older than
 SAMPLE_MAX_AGE_S drop out, so a path that stopped being chosen after a slow spell goes
-back to its plain estimate and is tried, and measured, again: a router's errors do not
-depend on which path happened to win its first busy minute.
+back to its plain estimate, corrected by the other path's error (what the estimates miss
+is mostly common to both), and is tried, and measured, again once its estimate is the
+lower: a router's errors do not depend on which path happened to win its first busy
+minute.
 
 A fixed `--colocate-below N` replaces the decision, and `--prefill-placement` with it:
 prompts under N tokens (or almost entirely cached there) are colocated, the others
@@ -111,27 +113,25 @@ MS = 1000.0
 
 
 class RecentSamples:
-    """The median of the last `maxlen` samples younger than SAMPLE_MAX_AGE_S; `default`
-    when there are none."""
+    """The median of the last `maxlen` samples younger than SAMPLE_MAX_AGE_S; None when
+    there are none."""
 
-    __slots__ = ("_samples", "_default", "_clock")
+    __slots__ = ("_samples", "_clock")
 
-    def __init__(
-        self, maxlen: int, default: float, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, maxlen: int, clock: Callable[[], float] = time.monotonic) -> None:
         self._samples: deque[tuple[float, float]] = deque(maxlen=maxlen)  # (when, value)
-        self._default, self._clock = default, clock
+        self._clock = clock
 
     def add(self, value: float) -> None:
         self._samples.append((self._clock(), value))
 
     @property
-    def median(self) -> float:
+    def median(self) -> float | None:
         oldest = self._clock() - SAMPLE_MAX_AGE_S
         while self._samples and self._samples[0][0] < oldest:
             self._samples.popleft()
         if not self._samples:
-            return self._default
+            return None
         return statistics.median(value for _, value in self._samples)
 
 
@@ -145,11 +145,12 @@ class RemoteHop:
     __slots__ = ("_samples",)
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._samples = RecentSamples(HOP_SAMPLES, DEFAULT_REMOTE_HOP_MS, clock)
+        self._samples = RecentSamples(HOP_SAMPLES, clock)
 
     @property
     def ms(self) -> float:
-        return self._samples.median
+        measured = self._samples.median
+        return DEFAULT_REMOTE_HOP_MS if measured is None else measured
 
     def observe(self, waited_ms: float, prefill_ms: float) -> None:
         """One remote request: the router waited `waited_ms`, its worker took `prefill_ms`
@@ -187,8 +188,16 @@ class EstimateErrors:
     """How far each placement's TTFT estimate fell short of what its requests then waited,
     as the router measured it: per placement, the median of its last ERROR_SAMPLES
     requests' (wait to the first token less the uncorrected estimate the decision made)
-    within SAMPLE_MAX_AGE_S, 0 when there are none. Negative when the estimates ran
-    pessimistic.
+    within SAMPLE_MAX_AGE_S. Negative when the estimates ran pessimistic.
+
+    A placement with no such request borrows the other's error, 0 when neither has one.
+    Most of what the estimates miss is common to both paths (the router's and the
+    worker's own work around a step, a step's fixed cost), so a path that has not been
+    chosen lately is weighed with it rather than as exact: an error of 0 against the
+    other's +40 ms would send it the next prompt whatever the load, and on a quiet
+    cluster that prompt wakes a prefill worker that has slept for 20 s, the slowest
+    first token there is. Weighed alike, the paths differ by their estimates alone, so
+    the one left is tried again when the load says it is the faster.
 
     Only requests whose placement the estimates decided teach it (`_COMPARED`): a long
     prompt sent to the pool because it would stall the decode worker is not one, and its
@@ -197,13 +206,14 @@ class EstimateErrors:
     __slots__ = ("_samples",)
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._samples = {
-            placement: RecentSamples(ERROR_SAMPLES, 0.0, clock) for placement in Placement
-        }
+        self._samples = {placement: RecentSamples(ERROR_SAMPLES, clock) for placement in Placement}
 
     @property
     def ms(self) -> dict[Placement, float]:
-        return {placement: samples.median for placement, samples in self._samples.items()}
+        own = {placement: samples.median for placement, samples in self._samples.items()}
+        known = [error for error in own.values() if error is not None]
+        borrowed = statistics.median(known) if known else 0.0  # of the other, with two
+        return {placement: borrowed if error is None else error for placement, error in own.items()}
 
     def observe(self, decision: Decision, waited_ms: float) -> None:
         """One request placed by `decision` waited `waited_ms` from it to its first token."""
