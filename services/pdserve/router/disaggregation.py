@@ -104,8 +104,8 @@ ERROR_SAMPLES = 32
 # The hop's and the errors' samples count for this long. A path the decision stopped
 # choosing teaches nothing new, so without an age its worst spell would keep it out for
 # good (a busy minute's remote requests, say, with every prompt colocated since): once
-# its samples are this old it goes back to its plain estimate, is chosen again where
-# that is the faster, and is measured anew.
+# its samples are this old it is weighed with the other path's error, is chosen again
+# where its plain estimate is the lower, and is measured anew.
 SAMPLE_MAX_AGE_S = 20.0
 DEFAULT_TTFT_TARGET_S = 0.25
 DEFAULT_TPOT_TARGET_S = 0.05
