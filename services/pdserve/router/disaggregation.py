@@ -194,10 +194,11 @@ class EstimateErrors:
     Most of what the estimates miss is common to both paths (the router's and the
     worker's own work around a step, a step's fixed cost), so a path that has not been
     chosen lately is weighed with it rather than as exact: an error of 0 against the
-    other's +40 ms would send it the next prompt whatever the load, and on a quiet
-    cluster that prompt wakes a prefill worker that has slept for 20 s, the slowest
-    first token there is. Weighed alike, the paths differ by their estimates alone, so
-    the one left is tried again when the load says it is the faster.
+    other's +40 ms would send it the next prompts whatever the load (on a 2-core VM, 6
+    of 25 short prompts at 0.5 req/s went through the pool that way, at 111 ms to their
+    first token against 83 for those colocated: docs/benchmarks.md, issue 16). Weighed
+    alike, the paths differ by their estimates alone, so the one left is tried again
+    when the load says it is the faster.
 
     Only requests whose placement the estimates decided teach it (`_COMPARED`): a long
     prompt sent to the pool because it would stall the decode worker is not one, and its
