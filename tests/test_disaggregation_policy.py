@@ -1,5 +1,6 @@
 """Where a prompt is prefilled, decided from live load: exact decisions on crafted snapshots,
-no servers (router/disaggregation.py)."""
+no servers (router/disaggregation.py), and what the router learns from its own requests
+(router/colocation.py)."""
 
 from __future__ import annotations
 
@@ -19,26 +20,28 @@ from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.workers import WorkerInfo
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.router.config import RouterConfig
-from pdserve.router.disaggregation import (
-    DEFAULT_PREFILL_TOKENS_PER_S,
-    DEFAULT_REMOTE_HOP_MS,
+from pdserve.router.colocation import (
     ERROR_SAMPLES,
     HOP_SAMPLES,
     SAMPLE_MAX_AGE_S,
     EstimateErrors,
+    FirstTokenTimer,
     LiveColocation,
+    RemoteHop,
+)
+from pdserve.router.config import RouterConfig
+from pdserve.router.disaggregation import (
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    DEFAULT_REMOTE_HOP_MS,
     Placement,
     PlacementMode,
     Reason,
-    RemoteHop,
     Snapshot,
     Targets,
     WorkerLoad,
     decide,
 )
 from pdserve.router.policy import ColocationRule
-from pdserve.router.runner import FirstTokenTimer
 from pdserve.rpc.wire import sampling_params_to_proto
 from pdserve.telemetry.metrics import metrics_url
 from pdserve.worker.engine_loop import StepStats

@@ -13,7 +13,8 @@ from pdserve.api.v1 import router_pb2, router_pb2_grpc
 from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.workers import WorkerInfo
-from pdserve.router.disaggregation import LiveColocation, Placement, Reason, Targets
+from pdserve.router.colocation import LiveColocation
+from pdserve.router.disaggregation import Placement, Reason, Targets
 from pdserve.router.dispatches import MAX_DISPATCHED_HASHES, RecentDispatches
 from pdserve.router.policy import CacheAwarePrefill, MostFreeDecode
 from pdserve.rpc.wire import sampling_params_to_proto

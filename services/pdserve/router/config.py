@@ -21,10 +21,10 @@ from pdserve.core.tls_config import TlsConfig
 from pdserve.router.admission import AdmissionLimits
 from pdserve.router.auth.keys import KeyFileError, read_key_file
 from pdserve.router.breaker import BreakerSettings, WorkerFailureConfig
+from pdserve.router.colocation import LiveColocation
 from pdserve.router.disaggregation import (
     DEFAULT_TPOT_TARGET_S,
     DEFAULT_TTFT_TARGET_S,
-    LiveColocation,
     PlacementMode,
     Targets,
 )

@@ -1,6 +1,7 @@
 """Where a prompt is prefilled: on the prefill pool (remote) or on its decode worker itself
-(colocated), decided per request from the workers' live load. The decision (`decide`) is
-pure: no I/O, no clock; what it learns (`RemoteHop`, `EstimateErrors`) ages by a clock.
+(colocated), decided per request from the workers' live load. Pure: no I/O, no clock;
+the router's side of it, with what it measures on its own requests (the remote hop and
+each path's estimate error), is `router/colocation.py`.
 
 Disaggregation keeps long prefills off the decode workers (their TPOT), at the price of a
 hop, and of a queue at the prefill pool that every prompt joins: a short prompt arriving
@@ -56,12 +57,12 @@ not report one) and `step` its recent step time:
 
 `hop` is what the remote path adds to the prefill worker's own time: the median of the
 router's recent remote requests, each its wait from Admit to the first token less the
-time the prefill worker says it took (`RemoteHop`); DEFAULT_REMOTE_HOP_MS while there
-is none younger than SAMPLE_MAX_AGE_S.
+time the prefill worker says it took (`colocation.RemoteHop`); DEFAULT_REMOTE_HOP_MS
+while there is none younger than `colocation.SAMPLE_MAX_AGE_S`.
 
 Both TTFT estimates are then corrected by what each path's own requests showed them to
-miss (`EstimateErrors`): the median, over the router's recent requests placed that way,
-of the wait it measured to the first token less the estimate it decided on. A path the
+miss (`colocation.EstimateErrors`): the median, over the router's recent requests placed
+that way, of the wait it measured to the first token less the estimate it decided on. A path the
 load reports cannot see the cost of moves by it: on a lightly loaded cluster, a remote
 prompt lands on a prefill worker that has slept for seconds and wakes one more process
 than a colocated one, and takes tens of ms longer than its estimate said (on 2-core VMs,
@@ -81,14 +82,10 @@ remote, whatever the load.
 from __future__ import annotations
 
 import enum
-import statistics
-import time
-from collections import deque
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.core.workers import WorkerInfo
-from pdserve.router.policy import CachedHashSets, ColocationRule, cached_prefix_blocks, num_queued
+from pdserve.router.policy import ColocationRule, num_queued
 
 # Before any worker measured its prefill speed: a small model on a few CPU cores. Low on
 # purpose: a slow guess keeps prompts remote rather than stall a decode worker.
@@ -97,67 +94,9 @@ DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
 # router has measured it: a 16-64-token prompt alone took 75 ms to its first token on a
 # prefill and a decode worker, 56 ms on one colocated worker (docs/benchmarks.md, issue 16).
 DEFAULT_REMOTE_HOP_MS = 20.0
-# The hop is the median of this many recent remote requests' own.
-HOP_SAMPLES = 32
-# Each path's estimate error is the median of this many of its recent requests'.
-ERROR_SAMPLES = 32
-# The hop's and the errors' samples count for this long. A path the decision stopped
-# choosing teaches nothing new, so without an age its worst spell would keep it out for
-# good (a busy minute's remote requests, say, with every prompt colocated since): once
-# its samples are this old it is weighed with the other path's error, is chosen again
-# where its plain estimate is the lower, and is measured anew.
-SAMPLE_MAX_AGE_S = 20.0
 DEFAULT_TTFT_TARGET_S = 0.25
 DEFAULT_TPOT_TARGET_S = 0.05
 MS = 1000.0
-
-
-class RecentSamples:
-    """The median of the last `maxlen` samples younger than SAMPLE_MAX_AGE_S; None when
-    there are none."""
-
-    __slots__ = ("_samples", "_clock")
-
-    def __init__(self, maxlen: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self._samples: deque[tuple[float, float]] = deque(maxlen=maxlen)  # (when, value)
-        self._clock = clock
-
-    def add(self, value: float) -> None:
-        self._samples.append((self._clock(), value))
-
-    @property
-    def median(self) -> float | None:
-        oldest = self._clock() - SAMPLE_MAX_AGE_S
-        while self._samples and self._samples[0][0] < oldest:
-            self._samples.popleft()
-        if not self._samples:
-            return None
-        return statistics.median(value for _, value in self._samples)
-
-
-class RemoteHop:
-    """What the remote path adds to a prompt's TTFT, measured on the router's own remote
-    requests: the median of the last HOP_SAMPLES within SAMPLE_MAX_AGE_S,
-    DEFAULT_REMOTE_HOP_MS when there are none. Each is the router's wait from Admit to
-    the first token less the prefill worker's own time (its queue and compute, which the
-    estimates model from the load reports)."""
-
-    __slots__ = ("_samples",)
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._samples = RecentSamples(HOP_SAMPLES, clock)
-
-    @property
-    def ms(self) -> float:
-        measured = self._samples.median
-        return DEFAULT_REMOTE_HOP_MS if measured is None else measured
-
-    def observe(self, waited_ms: float, prefill_ms: float) -> None:
-        """One remote request: the router waited `waited_ms`, its worker took `prefill_ms`
-        (0: a worker that does not say, which teaches nothing)."""
-        if prefill_ms <= 0:
-            return
-        self._samples.add(max(waited_ms - prefill_ms, 0.0))
 
 
 class PlacementMode(enum.StrEnum):
@@ -182,45 +121,6 @@ class Reason(enum.StrEnum):
     COLOCATED_FASTER = "colocated_faster"
     REMOTE_FASTER = "remote_faster"
     COLOCATE_BELOW = "colocate_below"  # the fixed threshold decided (--colocate-below)
-
-
-class EstimateErrors:
-    """How far each placement's TTFT estimate fell short of what its requests then waited,
-    as the router measured it: per placement, the median of its last ERROR_SAMPLES
-    requests' (wait to the first token less the uncorrected estimate the decision made)
-    within SAMPLE_MAX_AGE_S. Negative when the estimates ran pessimistic.
-
-    A placement with no such request borrows the other's error, 0 when neither has one.
-    Most of what the estimates miss is common to both paths (the router's and the
-    worker's own work around a step, a step's fixed cost), so a path that has not been
-    chosen lately is weighed with it rather than as exact: an error of 0 against the
-    other's +40 ms would send it the next prompts whatever the load (on a 2-core VM, 6
-    of 25 short prompts at 0.5 req/s went through the pool that way, at 111 ms to their
-    first token against 83 for those colocated: docs/benchmarks.md, issue 16). Weighed
-    alike, the paths differ by their estimates alone, so the one left is tried again
-    when the load says it is the faster.
-
-    Only requests whose placement the estimates decided teach it (`_COMPARED`): a long
-    prompt sent to the pool because it would stall the decode worker is not one, and its
-    wait (seconds in the queue, under least-work order) says nothing about a short one's."""
-
-    __slots__ = ("_samples",)
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._samples = {placement: RecentSamples(ERROR_SAMPLES, clock) for placement in Placement}
-
-    @property
-    def ms(self) -> dict[Placement, float]:
-        own = {placement: samples.median for placement, samples in self._samples.items()}
-        known = [error for error in own.values() if error is not None]
-        borrowed = statistics.median(known) if known else 0.0  # of the other, with two
-        return {placement: borrowed if error is None else error for placement, error in own.items()}
-
-    def observe(self, decision: Decision, waited_ms: float) -> None:
-        """One request placed by `decision` waited `waited_ms` from it to its first token."""
-        if decision.reason not in _COMPARED:
-            return
-        self._samples[decision.placement].add(waited_ms - decision.estimated_ttft_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,6 +220,12 @@ class Decision:
         return self.placement is Placement.COLOCATED
 
     @property
+    def placed_by_estimates(self) -> bool:
+        """Whether the TTFT estimates decided it (weighed against each other or the
+        target): only such a request says how far its path's estimate was off."""
+        return self.reason in _COMPARED
+
+    @property
     def estimated_ttft_ms(self) -> float:
         """The chosen path's estimate, uncorrected: what its errors are measured against."""
         return self.colocated_ttft_ms if self.colocated else self.remote_ttft_ms
@@ -404,50 +310,3 @@ def decide(
     if max(colocated_ms + s.colocated_error_ms, 0.0) <= remote_expected_ms:
         return decision(Placement.COLOCATED, Reason.COLOCATED_FASTER)
     return decision(Placement.REMOTE, Reason.REMOTE_FASTER)
-
-
-class LiveColocation:
-    """The router's placement decision: its targets, mode and fixed override, the
-    remote hop it measures, and the prefix-cache sets it reads the workers' reports
-    through (built once per report)."""
-
-    def __init__(
-        self,
-        targets: Targets,
-        rule: ColocationRule | None = None,
-        mode: PlacementMode = PlacementMode.LIVE,
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        self.targets, self.rule, self.mode = targets, rule or ColocationRule(), mode
-        self.hop = RemoteHop(clock)
-        self.errors = EstimateErrors(clock)
-        self._hash_sets = CachedHashSets()
-
-    def decide(
-        self,
-        decode: WorkerInfo,
-        prefill: Sequence[WorkerInfo],
-        block_hashes: Sequence[str],
-        num_prompt_tokens: int,
-    ) -> Decision:
-        """Where to prefill a prompt whose decode worker is `decode`; `prefill` are the
-        prefill candidates (unhealthy ones, and `decode` itself, are left out)."""
-        candidates = [w for w in prefill if w.healthy and w.address != decode.address]
-        self._hash_sets.retain([decode, *candidates])
-        errors = self.errors.ms
-        snapshot = Snapshot(
-            num_prompt_tokens,
-            self._load(decode, block_hashes, num_prompt_tokens),
-            tuple(self._load(w, block_hashes, num_prompt_tokens) for w in candidates),
-            max((w.prefill_tokens_per_s for w in (decode, *candidates)), default=0.0),
-            self.hop.ms,
-            errors[Placement.REMOTE],
-            errors[Placement.COLOCATED],
-        )
-        return decide(snapshot, self.targets, self.rule, self.mode)
-
-    def _load(self, worker: WorkerInfo, hashes: Sequence[str], num_tokens: int) -> WorkerLoad:
-        blocks = cached_prefix_blocks(worker, hashes, self._hash_sets)
-        # the block holding the last token is always computed (the scheduler's rule)
-        cached = min(blocks * worker.block_size, max(num_tokens - 1, 0))
-        return WorkerLoad.of(worker, cached)

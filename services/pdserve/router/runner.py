@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -19,7 +19,8 @@ from pdserve.api.v1 import decode_pb2, prefill_pb2
 from pdserve.core.errors import KVCapacityError, PreconditionError, UnavailableError
 from pdserve.core.workers import WorkerInfo
 from pdserve.router.breaker import BreakerSettings
-from pdserve.router.disaggregation import Decision, EstimateErrors, LiveColocation
+from pdserve.router.colocation import FirstTokenTimer, LiveColocation
+from pdserve.router.disaggregation import Decision
 from pdserve.router.discovery import Discovery
 from pdserve.router.discovery.guarded import GuardedDiscovery
 from pdserve.router.dispatches import RecentDispatches
@@ -390,34 +391,3 @@ class RequestRunner:
 
     async def close(self) -> None:
         await self.handoff.close()
-
-
-class FirstTokenTimer:
-    """Passes a colocated request's deltas on; at its first (a colocated prompt's first
-    token comes with its stream), tells the placement's errors how long it took after
-    the decision, and `on_first` that the prompt is computed."""
-
-    __slots__ = ("_deliver", "_errors", "_placement", "_on_first", "_asked")
-
-    def __init__(
-        self,
-        deliver: Callable[[decode_pb2.TokenDelta], None],
-        errors: EstimateErrors,
-        placement: Decision,
-        on_first: Callable[[], None] = lambda: None,
-    ):
-        self._deliver, self._errors, self._placement = deliver, errors, placement
-        self._on_first = on_first
-        self._asked: float | None = time.perf_counter()
-
-    @property
-    def seen(self) -> bool:
-        """Whether the first delta came."""
-        return self._asked is None
-
-    def __call__(self, delta: decode_pb2.TokenDelta) -> None:
-        if self._asked is not None:
-            self._errors.observe(self._placement, (time.perf_counter() - self._asked) * 1000)
-            self._asked = None
-            self._on_first()
-        self._deliver(delta)

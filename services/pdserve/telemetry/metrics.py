@@ -271,14 +271,14 @@ class WatchedRelays(Protocol):
 
 
 class WatchedHop(Protocol):
-    """What `remote_hop_seconds` reads (`pdserve.router.disaggregation.RemoteHop`)."""
+    """What `remote_hop_seconds` reads (`pdserve.router.colocation.RemoteHop`)."""
 
     @property
     def ms(self) -> float: ...
 
 
 class WatchedErrors(Protocol):
-    """What `ttft_estimate_error_seconds` reads (`router.disaggregation.EstimateErrors`)."""
+    """What `ttft_estimate_error_seconds` reads (`router.colocation.EstimateErrors`)."""
 
     @property
     def ms(self) -> Mapping[str, float]: ...
