@@ -107,9 +107,9 @@ class EstimateErrors:
     when the load says it is the faster.
 
     Only requests whose placement the estimates decided teach it
-    (`Decision.placed_by_estimates`): a long
-    prompt sent to the pool because it would stall the decode worker is not one, and its
-    wait (seconds in the queue, under least-work order) says nothing about a short one's."""
+    (`Decision.placed_by_estimates`): a long prompt sent to the pool because it would
+    stall the decode worker is not one, and its wait (seconds in the queue, under
+    least-work order) says nothing about a short one's."""
 
     __slots__ = ("_samples",)
 
@@ -132,8 +132,8 @@ class EstimateErrors:
 
 class LiveColocation:
     """The router's placement decision: its targets, mode and fixed override, the
-    remote hop it measures, and the prefix-cache sets it reads the workers' reports
-    through (built once per report)."""
+    remote hop and the estimate errors it measures, and the prefix-cache sets it reads
+    the workers' reports through (built once per report)."""
 
     def __init__(
         self,
