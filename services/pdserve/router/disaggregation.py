@@ -62,17 +62,17 @@ while there is none younger than `colocation.SAMPLE_MAX_AGE_S`.
 
 Both TTFT estimates are then corrected by what each path's own requests showed them to
 miss (`colocation.EstimateErrors`): the median, over the router's recent requests placed
-that way, of the wait it measured to the first token less the estimate it decided on. A path the
-load reports cannot see the cost of moves by it: on a lightly loaded cluster, a remote
-prompt lands on a prefill worker that has slept for seconds and wakes one more process
-than a colocated one, and takes tens of ms longer than its estimate said (on 2-core VMs,
-docs/benchmarks.md, issue 16), so short prompts stay where they are decoded until the
-decode worker's own estimate, and its error, grow past the pool's. Samples older than
-SAMPLE_MAX_AGE_S drop out, so a path that stopped being chosen after a slow spell goes
-back to its plain estimate, corrected by the other path's error (what the estimates miss
-is mostly common to both), and is tried, and measured, again once its estimate is the
-lower: a router's errors do not depend on which path happened to win its first busy
-minute.
+that way, of the wait it measured to the first token less the estimate it decided on. A
+path the load reports cannot see the cost of moves by it: on a lightly loaded cluster, a
+remote prompt lands on a prefill worker that has slept for seconds and wakes one more
+process than a colocated one, and takes tens of ms longer than its estimate said (on
+2-core VMs, docs/benchmarks.md, issue 16), so short prompts stay where they are decoded
+until the decode worker's own estimate, and its error, grow past the pool's. Samples
+older than `colocation.SAMPLE_MAX_AGE_S` drop out, so a path that stopped being chosen
+after a slow spell goes back to its plain estimate, corrected by the other path's error
+(what the estimates miss is mostly common to both), and is tried, and measured, again
+once its estimate is the lower: a router's errors do not depend on which path happened
+to win its first busy minute.
 
 A fixed `--colocate-below N` replaces the decision, and `--prefill-placement` with it:
 prompts under N tokens (or almost entirely cached there) are colocated, the others

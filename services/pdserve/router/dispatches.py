@@ -234,10 +234,7 @@ class RecentDispatches:
                 colocated prompt): its queue as the next report will say, which the
                 remote-or-colocated decision reads between heartbeats.
         """
-        sent = self._sent.get(address)
-        if sent is None:
-            sent = self._sent[address] = _Sent()
-        sent.add(self._clock(), num_blocks, block_hashes, num_tokens)
+        self._at(address).add(self._clock(), num_blocks, block_hashes, num_tokens)
 
     def ended(
         self, address: str, *, requests: int = 0, num_blocks: int = 0, num_tokens: int = 0
@@ -253,10 +250,13 @@ class RecentDispatches:
         there at once is sent through the pool instead. An ending counts against the
         snapshots taken before it; a request that ends before the worker ever reported
         it comes off a report that never held it, which the next report puts right."""
+        self._at(address).ended.add(self._clock(), requests, num_blocks, num_tokens)
+
+    def _at(self, address: str) -> _Sent:
         sent = self._sent.get(address)
         if sent is None:
             sent = self._sent[address] = _Sent()
-        sent.ended.add(self._clock(), requests, num_blocks, num_tokens)
+        return sent
 
     def adjust(self, workers: Sequence[WorkerInfo]) -> list[WorkerInfo]:
         """``workers`` as they will report once they have seen what we sent since.
@@ -264,8 +264,8 @@ class RecentDispatches:
         Each dispatch newer than the worker's snapshot adds one waiting request and
         takes its blocks from ``free_blocks`` (its prompt tokens join the queue); each
         ending newer than it takes them off again; the block hashes of every dispatch
-        within the horizon join ``cached_block_hashes``. Workers with none come back unchanged
-        (the same objects, so per-snapshot caches keyed on them keep working).
+        within the horizon join ``cached_block_hashes``. Workers with none come back
+        unchanged (the same objects, so per-snapshot caches keyed on them keep working).
         """
         now = self._clock()
         before = now - self.horizon_s

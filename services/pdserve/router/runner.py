@@ -360,16 +360,16 @@ class RequestRunner:
     async def _colocated(
         self, worker: WorkerInfo, attempt: Attempt, events: AttemptEvents, placement: Decision
     ) -> None:
+        num_tokens = len(attempt.prompt)
         self.dispatches.record(
             worker.address,
             attempt.num_blocks_needed,
             block_hashes=attempt.block_hashes,
-            num_tokens=len(attempt.prompt),
+            num_tokens=num_tokens,
         )
         events.on_admitted(worker.address)
         events.on_prefill_worker(worker.address)
         metrics.routing_decision(COLOCATED_POLICY, RoutingOutcome.COLOCATED, placement.reason)
-        num_tokens = len(attempt.prompt)
 
         def computed() -> None:  # its first token: the prompt has left the queue there
             self.dispatches.ended(worker.address, num_tokens=num_tokens)
