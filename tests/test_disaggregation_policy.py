@@ -76,8 +76,9 @@ def test_the_estimates_follow_the_documented_formulas():
     # remote: half of max(a step, a full 512-token step) + max(a step, (min(3000, 3 * 40)
     # + 40) / 2 per ms, the 512 tokens of the step it joins / 2 per ms) + the hop
     assert d.remote_ttft_ms == pytest.approx(256 / 2 + 256 + DEFAULT_REMOTE_HOP_MS)
-    # colocated (no budget reported): half a step + max(a step, (min(20, 4 * 40) + 40) / 2)
-    assert d.colocated_ttft_ms == pytest.approx(8 + 30)
+    # colocated (no budget reported): half a step + max(a step, (min(20, 4 * 40) + 40 + the
+    # 4 requests decoding there, a token each in the step it joins) / 2)
+    assert d.colocated_ttft_ms == pytest.approx(8 + 32)
     # the stall: (20 + 40) / 2; TPOT: the step + the stall over 31 - 1 tokens
     assert d.decode_stall_ms == pytest.approx(30)
     assert d.decode_tpot_ms == pytest.approx(16 + 30 / 30)
@@ -215,6 +216,22 @@ def test_where_both_are_allowed_the_faster_one_wins():
     slower_decode = load(queued_tokens=0, num_queued=2, step_ms=90.0)  # 45 + 90: slower
     d = decide(snapshot(40, slower_decode, pool), Targets(ttft_s=0.03, tpot_s=0.2))
     assert (d.placement, d.reason) == (Placement.REMOTE, Reason.REMOTE_FASTER)
+
+
+def test_a_prompt_colocated_shares_its_step_with_every_request_decoding_there():
+    # On a compute-bound engine the step it joins computes a token of each of the 60
+    # requests decoding there beside its own 40: (40 + 60) / 2 per ms, not 40 / 2. On an
+    # idle prefill worker it would take 20 ms and the hop.
+    crowded = load(num_queued=60, step_ms=15.0, shortest_output=500)
+    d = decide(snapshot(40, crowded, load()), TARGETS)
+    assert d.colocated_ttft_ms == pytest.approx(15 / 2 + 50)
+    assert d.remote_ttft_ms == pytest.approx(20 + DEFAULT_REMOTE_HOP_MS)
+    assert (d.placement, d.reason) == (Placement.REMOTE, Reason.REMOTE_FASTER)
+    # a prefill worker's requests decode elsewhere: its queue is its prompts alone
+    pool = load(queued_tokens=40, num_queued=1, step_ms=15.0)
+    assert decide(snapshot(40, load(), pool), TARGETS).remote_ttft_ms == pytest.approx(
+        15 / 2 + 40 + DEFAULT_REMOTE_HOP_MS
+    )
 
 
 def test_the_best_of_several_prefill_workers_is_the_remote_estimate():

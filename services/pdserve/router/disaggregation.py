@@ -32,18 +32,24 @@ prompt to the pool instead (plain disaggregation: every prefill's KV crosses ove
 The estimates, in milliseconds, with `rate` the prefill speed (tokens per second) the
 workers measured (the best any of them reports; DEFAULT_PREFILL_TOKENS_PER_S before any
 has), `U` a worker's uncached share of the prompt, `Q` its queued prefill tokens, `n` its
-queued requests, `B` its step token budget (the min(..., B) terms drop out when it does
-not report one) and `step` its recent step time:
+queued requests, `D` those of them decoding there (`n` on the decode worker, 0 on a
+prefill worker, whose requests decode elsewhere), `B` its step token budget (the
+min(..., B) terms drop out when it does not report one) and `step` its recent step time:
 
     ahead      = min(Q, n * U)               (least-work order: a longer prompt queued
                                               there goes after this one)
     ttft       = (ahead + U) / rate          when nothing is queued there (n = 0), else
                  max(step, min(Q, B) / rate) / 2           the step in progress, then
-               + max(step, (ahead + U) / rate, min(Q + U, B) / rate)
+               + max(step, (ahead + U + D) / rate, min(Q + U + D, B) / rate)
                                              the step the prompt joins: queued work
                                              fills it to the budget, so a short prompt
                                              behind a long one's chunks waits a whole
-                                             chunk for its token
+                                             chunk for its token; and each request
+                                             decoding there puts a token in it (a
+                                             compute-bound step costs its tokens: on a
+                                             2-core VM a 50-token prompt's step took
+                                             63 ms alone, 67 ms beside 1 decoding
+                                             request and 82 ms beside 9)
     remote     = min over prefill workers of ttft + hop
     colocated  = ttft on the decode worker
     stall      = (Q + U) / rate on the decode worker: what its steps take longer, all
@@ -162,17 +168,19 @@ class WorkerLoad:
     def uncached(self, num_prompt_tokens: int) -> int:
         return num_prompt_tokens - self.cached_tokens
 
-    def ttft_ms(self, num_prompt_tokens: int, rate: float) -> float:
-        """This prompt's wait for its first token here, remote hop aside."""
+    def ttft_ms(self, num_prompt_tokens: int, rate: float, *, decoding: bool = False) -> float:
+        """This prompt's wait for its first token here, remote hop aside; `decoding`: the
+        requests here decode here (a decode worker), each a token in every step."""
         uncached, queued = self.uncached(num_prompt_tokens), self.queued_prefill_tokens
+        decodes = self.num_queued if decoding else 0
         ahead = min(queued, self.num_queued * uncached)
-        compute = (ahead + uncached) / rate * MS
+        compute = (ahead + uncached + decodes) / rate * MS
         if not self.num_queued:
             return compute
         in_progress, joined = self.step_time_ms, 0.0  # a worker that reports no budget
         if budget := self.step_token_budget:
             in_progress = max(in_progress, min(queued, budget) / rate * MS)
-            joined = min(queued + uncached, budget) / rate * MS
+            joined = min(queued + uncached + decodes, budget) / rate * MS
         return in_progress / 2 + max(self.step_time_ms, compute, joined)
 
     def stall_ms(self, num_prompt_tokens: int, rate: float) -> float:
@@ -286,7 +294,7 @@ def decide(
     s = snapshot
     rate = s.prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S
     n = s.num_prompt_tokens
-    colocated_ms = s.decode.ttft_ms(n, rate)
+    colocated_ms = s.decode.ttft_ms(n, rate, decoding=True)
     remote_ms = min((w.ttft_ms(n, rate) + s.remote_hop_ms for w in s.prefill), default=float("nan"))
     stall_ms = s.decode.stall_ms(n, rate)
     tpot_ms = s.decode.tpot_ms(stall_ms)
