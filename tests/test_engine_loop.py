@@ -96,3 +96,25 @@ def test_a_step_exporting_little_hands_its_kv_over_when_it_ends(
     # while the step runs, or every one after it
     assert (export.chunks.times[0] < ended) is layer_by_layer
     assert all(t > ended for t in export.chunks.times) is not layer_by_layer
+
+
+async def test_an_engine_gone_idle_reports_nothing_queued_and_nothing_running(demo_model_dir):
+    # Its queues were observed before its last step, which emptied them; the thread then
+    # sleeps until the next command, so unless it says so before sleeping, its load
+    # reports keep the last prompt queued there (an idle prefill worker reported 18-62
+    # queued tokens for seconds) and the last output running.
+    engine = LLMEngine.from_pretrained(demo_model_dir)
+    loop = EngineLoop(engine, asyncio.get_running_loop())
+    loop.start()
+    try:
+        for request_id, max_tokens in (("prefill-only", 1), ("decoded", 3)):
+            sink = loop.open_sink(request_id)
+            params = SamplingParams(max_tokens=max_tokens)
+            await loop.call(engine.add_request, [5] * 40, params, request_id)
+            while not (await asyncio.wait_for(sink.queue.get(), 30)).finished:
+                pass
+            await asyncio.sleep(0.2)  # the thread is asleep by now, with no command since
+            stats = loop.step_stats
+            assert (stats.queued_prefill_tokens, stats.shortest_running_output) == (0, 0)
+    finally:
+        await loop.stop()

@@ -182,7 +182,10 @@ class EngineLoop:
 
     def _main(self) -> None:
         while not self._stopping:
-            self._run_commands(block=not self.engine.has_unfinished_requests())
+            idle = not self.engine.has_unfinished_requests()
+            if idle:  # what the last step left (nothing) is reported while the thread sleeps
+                self.step_stats.observe_queues(self.engine.scheduler)
+            self._run_commands(block=idle)
             self.step_stats.observe_queues(self.engine.scheduler)
             if self._stopping or not self.engine.has_unfinished_requests():
                 continue
