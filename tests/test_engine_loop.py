@@ -113,8 +113,11 @@ async def test_an_engine_gone_idle_reports_nothing_queued_and_nothing_running(de
             await loop.call(engine.add_request, [5] * 40, params, request_id)
             while not (await asyncio.wait_for(sink.queue.get(), 30)).finished:
                 pass
-            await asyncio.sleep(0.2)  # the thread is asleep by now, with no command since
             stats = loop.step_stats
+            for _ in range(50):  # up to 5 s for the thread to reach its sleep, no command since
+                if (stats.queued_prefill_tokens, stats.shortest_running_output) == (0, 0):
+                    break
+                await asyncio.sleep(0.1)
             assert (stats.queued_prefill_tokens, stats.shortest_running_output) == (0, 0)
     finally:
         await loop.stop()
