@@ -261,6 +261,31 @@ def test_a_request_that_failed_asking_to_retry_runs_again_for_a_call_with_its_id
         assert replayed.token_ids == expected.token_ids
 
 
+def test_a_client_ahead_of_a_failed_requests_checkpoints_gets_it_run_again_from_where_it_is(
+    cluster, redis_child
+):
+    """The router sends a token before its checkpoint lands. If the request then fails
+    asking to try again (its stream ends at 0 tokens), a client holding that first token
+    resumes from 1: the request runs again and the client gets the rest, not an
+    OUT_OF_RANGE for an offset beyond a stream that is about to go on."""
+    params = SHORT
+    asyncio.run(
+        write_failed(
+            redis_child.url,
+            "failed-client-ahead",
+            params,
+            "UNAVAILABLE",
+            "UnavailableError: no healthy decode worker",
+        )
+    )
+    with Client(cluster.router_addresses) as client:
+        expected = client.generate(PROMPT_IDS, params, request_id="not-failed-ahead")
+        rest = client.generate(PROMPT_IDS, params, request_id="failed-client-ahead", resume_from=1)
+        assert (rest.token_ids, rest.finish_reason) == (expected.token_ids[1:], "length")
+        info = client.get_request("failed-client-ahead")
+        assert (info.status, info.usage.completion_tokens) == ("finished", 24)
+
+
 @pytest.mark.parametrize(
     ("code", "expected"),
     [("INTERNAL", grpc.StatusCode.INTERNAL), ("", grpc.StatusCode.UNKNOWN)],

@@ -212,6 +212,23 @@ async def test_offset_past_the_end_of_a_finished_request(store):
             pass
 
 
+async def test_offset_past_the_end_of_a_failed_request_gives_the_failure(store):
+    """Its router may have sent tokens before their checkpoints landed: the reader gets
+    the failure (and may run the request again), not an offset error."""
+    await store.create(record())
+    append_all(store, "r1", DELTAS[:2])
+    await store.finish("r1", RequestPhase.FAILED, "", error="x", error_code="UNAVAILABLE")
+    past = sum(len(ids) for ids, _ in DELTAS[:2]) + 1
+    assert await store.read_tokens("r1", past) == ([], "")
+    ((ids, text, final),) = await collect(store, "r1", past)
+    assert (ids, text, final.status, final.error_code) == (
+        [],
+        "",
+        RequestPhase.FAILED,
+        "UNAVAILABLE",
+    )
+
+
 async def collect(store: RequestStore, request_id: str, offset: int) -> list:
     return [item async for item in store.follow(request_id, offset)]
 

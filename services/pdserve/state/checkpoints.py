@@ -104,7 +104,10 @@ class Cursor:
                 # offset would go unnoticed; the engine emits those only at the end.)
                 self.next_seq, self.num_tokens = entry.seq, entry.offset
             if entry.end:
-                if self.offset > self.num_tokens:
+                # A client may hold tokens its router sent before their checkpoint
+                # landed: past a failed end, the reader decides (the request may run
+                # again and reach the client's offset); past any other, it never will.
+                if self.offset > self.num_tokens and entry.end != RequestPhase.FAILED.value:
                     raise ValueError(
                         f"resume_from beyond the stream: {self.offset} > {self.num_tokens} tokens"
                     )

@@ -223,8 +223,8 @@ class RequestStore:
     async def read_tokens(self, request_id: str, offset: int) -> tuple[list[int], str]:
         """Every checkpointed token from `offset` on, and its text (see "Resume" above).
 
-        Raises UnknownRequestError, ValueError for an offset past the end of a finished
-        request, CheckpointsLostError, StateUnavailableError.
+        Raises UnknownRequestError, ValueError for an offset past the end of a request
+        that ended other than failed, CheckpointsLostError, StateUnavailableError.
         """
         return await self._reader.read_tokens(request_id, offset)
 
@@ -235,7 +235,9 @@ class RequestStore:
         carries the terminal record instead of None.
 
         An offset past what is checkpointed waits for the tokens to land (the running router
-        streams ahead of its checkpoints); past the end of a finished request it raises
-        ValueError("resume_from beyond the stream"). Raises like `read_tokens`.
+        streams ahead of its checkpoints); past the end of a request that ended other
+        than failed it raises ValueError("resume_from beyond the stream"). Past a failed
+        end it yields that end, so the caller may run the request again from the offset
+        (`RequestRecord.may_run_again`) or give its failure. Raises like `read_tokens`.
         """
         return self._reader.follow(request_id, offset)
