@@ -43,7 +43,8 @@ from pdserve.bench.workload import (
     parse_length,
     plan,
 )
-from pdserve.commands.bench import add_parser
+from pdserve.cluster.local import ClusterShape
+from pdserve.commands.bench import add_parser, log_dir_name, target_names
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parents[1]
@@ -285,6 +286,16 @@ def test_ttft_slo_scale_makes_a_relative_slo_whose_floor_is_ttft_slo_ms():
     assert floor.ttft_ms == 500
     absolute = BenchConfig.from_args(bench_args(*router)).slo
     assert (absolute.ttft_scale, absolute.ttft_ms) == (None, 2000)
+
+
+def test_a_shape_listed_again_is_measured_under_a_name_and_a_log_folder_of_its_own():
+    """An A/A run (`--compare colocated:2 colocated:2`) measures two identical clusters:
+    the spread a ratio between shapes sits in on the machine."""
+    listed = ["colocated:2", "prefill:1,decode:1", "colocated:2", "colocated:2"]
+    names = target_names([ClusterShape.parse(text) for text in listed])
+    assert names == ["colocated:2", "prefill:1,decode:1", "colocated:2 #2", "colocated:2 #3"]
+    folders = [log_dir_name(name) for name in names]
+    assert folders == ["colocated2", "prefill1-decode1", "colocated2-2", "colocated2-3"]
 
 
 def test_bad_flags_fail_before_anything_starts(capsys):

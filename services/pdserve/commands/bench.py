@@ -132,7 +132,8 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         nargs="+",
         metavar="SHAPE",
         help="start a local cluster of each shape (e.g. colocated:2 "
-        "prefill:1,decode:1) and run the same requests on each",
+        "prefill:1,decode:1) and run the same requests on each; a shape listed "
+        "twice is measured twice, as SHAPE and SHAPE #2",
     )
     cmd.add_argument("--model", help="with --compare: model directory (default: the tiny demo)")
     cmd.add_argument("--threads", type=int, default=1, help="with --compare: threads per worker")
@@ -271,9 +272,9 @@ def _start_targets(
         address = router_address(args.router)
         return [Target(address, address, connection=connection)]
     targets = []
-    for shape in shapes:
+    for shape, name in zip(shapes, target_names(shapes), strict=True):
         router_args = ["--colocate-below", str(COLOCATE_EVERY_PROMPT)] if not shape.prefill else []
-        run_dir = (out / "logs" / str(shape).replace(":", "").replace(",", "-")).resolve()
+        run_dir = (out / "logs" / log_dir_name(name)).resolve()
         cluster = LocalCluster(
             model,
             shape,
@@ -286,8 +287,26 @@ def _start_targets(
             stack.enter_context(cluster)
         console.print(f"{shape}: router at {cluster.router_address}")
         pids = tuple(child.proc.pid for child in cluster.children)
-        targets.append(Target(str(shape), cluster.router_address, pids))
+        targets.append(Target(name, cluster.router_address, pids))
     return targets
+
+
+def target_names(shapes: list[ClusterShape]) -> list[str]:
+    """Each cluster's name in the results: its shape, and `#2`, `#3`, ... for a shape
+    listed again (an A/A run, `--compare colocated:2 colocated:2`, measures the spread
+    between two identical clusters: the noise a ratio between shapes sits in)."""
+    seen: dict[str, int] = {}
+    names = []
+    for shape in shapes:
+        text = str(shape)
+        seen[text] = seen.get(text, 0) + 1
+        names.append(text if seen[text] == 1 else f"{text} #{seen[text]}")
+    return names
+
+
+def log_dir_name(name: str) -> str:
+    """The folder under OUT/logs for the cluster `name` (`target_names`)."""
+    return name.replace(":", "").replace(",", "-").replace(" #", "-")
 
 
 async def _measure(
