@@ -233,19 +233,18 @@ async def write_failed(url: str, request_id: str, params: SamplingParams, code: 
         assert await store.finish(request_id, RequestPhase.FAILED, "", error=error, error_code=code)
 
 
+async def write_failed_asking_to_retry(url: str, request_id: str, params: SamplingParams):
+    """What a router leaves for a request that failed with UNAVAILABLE before its first
+    token was checkpointed (`write_failed`)."""
+    error = "UnavailableError: no healthy decode worker"
+    await write_failed(url, request_id, params, "UNAVAILABLE", error)
+
+
 def test_a_request_that_failed_asking_to_retry_runs_again_for_a_call_with_its_id(
     cluster, redis_child
 ):
     params = SHORT
-    asyncio.run(
-        write_failed(
-            redis_child.url,
-            "failed-unavailable",
-            params,
-            "UNAVAILABLE",
-            "UnavailableError: no healthy decode worker",
-        )
-    )
+    asyncio.run(write_failed_asking_to_retry(redis_child.url, "failed-unavailable", params))
     with Client(cluster.router_addresses) as client:
         expected = client.generate(PROMPT_IDS, params, request_id="not-failed")
         again = client.generate(PROMPT_IDS, params, request_id="failed-unavailable")
@@ -269,15 +268,7 @@ def test_a_client_ahead_of_a_failed_requests_checkpoints_gets_it_run_again_from_
     resumes from 1: the request runs again and the client gets the rest, not an
     OUT_OF_RANGE for an offset beyond a stream that is about to go on."""
     params = SHORT
-    asyncio.run(
-        write_failed(
-            redis_child.url,
-            "failed-client-ahead",
-            params,
-            "UNAVAILABLE",
-            "UnavailableError: no healthy decode worker",
-        )
-    )
+    asyncio.run(write_failed_asking_to_retry(redis_child.url, "failed-client-ahead", params))
     with Client(cluster.router_addresses) as client:
         expected = client.generate(PROMPT_IDS, params, request_id="not-failed-ahead")
         rest = client.generate(PROMPT_IDS, params, request_id="failed-client-ahead", resume_from=1)
