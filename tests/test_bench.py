@@ -6,6 +6,7 @@ one of those scripts starts."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -32,6 +33,7 @@ from pdserve.bench.report import (
     slo_grid_cells,
     to_json,
 )
+from pdserve.bench.sweep import rotation
 from pdserve.bench.workload import (
     FIRST_PROMPT_ID,
     MIXED,
@@ -65,10 +67,11 @@ def finished(
     sent_at: float = 0.0,
     warmup: bool = False,
     kind: str = "k",
+    repeat: int = 0,
 ) -> RequestResult:
     """A finished request: first token at `ttft` s, then one token every `gap` s."""
     times = [ttft + gap * i for i in range(tokens)]
-    return RequestResult(index, kind, warmup, 8, tokens, sent_at, times)
+    return RequestResult(index, kind, warmup, 8, tokens, sent_at, times, repeat=repeat)
 
 
 # -- workload ------------------------------------------------------------------------------
@@ -95,6 +98,19 @@ def test_a_plan_is_a_function_of_its_seed():
     a = plan(MIXED, rate=2.0, duration_s=30, num_warmup=3, seed=7)
     assert a == plan(MIXED, rate=2.0, duration_s=30, num_warmup=3, seed=7)
     assert a != plan(MIXED, rate=2.0, duration_s=30, num_warmup=3, seed=8)
+
+
+def test_each_repeated_run_of_a_rate_draws_arrivals_and_prompts_of_its_own():
+    """`--repeats`: a run again of the same prompts would hit the prefix cache, and of the
+    same arrivals would sample the workload no more widely. Run 0 is the unrepeated plan."""
+    once = plan(MIXED, rate=2.0, duration_s=30, num_warmup=3, seed=7)
+    assert plan(MIXED, rate=2.0, duration_s=30, num_warmup=3, seed=7, repeat=0) == once
+    again = plan(MIXED, rate=2.0, duration_s=30, num_warmup=3, seed=7, repeat=1)
+    assert {p.repeat for p in once} == {0} and {p.repeat for p in again} == {1}
+    assert [p.send_at for p in again[:10]] != [p.send_at for p in once[:10]]
+    first_blocks = {tuple(p.prompt_token_ids[:16]) for p in once}
+    assert not any(tuple(p.prompt_token_ids[:16]) in first_blocks for p in again)
+    assert again == plan(MIXED, rate=2.0, duration_s=30, num_warmup=3, seed=7, repeat=1)
 
 
 def test_rates_of_a_sweep_share_kinds_lengths_and_arrival_pattern_but_not_prompts():
@@ -176,6 +192,17 @@ def test_a_summary_counts_leave_out_warm_ups_and_failed_requests_miss_the_slo():
     assert s.output_throughput == pytest.approx(12 / s.window_s)
     assert s.ttft.count == 3 and s.ttft.p50 == pytest.approx(200.0)
     assert s.itl.count == 9
+
+
+def test_a_summary_of_a_repeated_rate_pools_its_runs_over_the_sum_of_their_windows():
+    """Each run's `sent_at` counts from its own start: the runs' windows add up, they do
+    not overlap."""
+    results = [finished(i, ttft=0.1, gap=0.1, tokens=10, sent_at=i * 0.5) for i in range(3)]
+    again = [finished(i, 0.3, gap=0.1, tokens=10, sent_at=i * 0.5, repeat=1) for i in range(3)]
+    s = summarize(1.0, results + again, SLO(ttft_ms=1000, tpot_ms=100))
+    assert s.window_s == pytest.approx((1.0 + 1.0) + (1.0 + 1.2))
+    assert s.request_throughput == pytest.approx(6 / s.window_s)
+    assert (s.num_requests, s.ttft.count) == (6, 6)
 
 
 def test_goodput_is_the_highest_rate_up_to_which_every_rate_meets_the_goal():
@@ -267,6 +294,36 @@ def test_the_record_keeps_its_shape_and_adds_each_kinds_slo_and_the_grid(tmp_pat
     assert "decode-heavy 200 ms, long-prompt 2700 ms" in text
 
 
+def test_the_report_of_repeated_runs_gives_each_runs_ratios_beside_the_pooled_ones():
+    slo = SLO(ttft_ms=1000, tpot_ms=100)
+
+    def config(name: str, ttfts: tuple[float, float]) -> ConfigRun:
+        results = [
+            finished(i, ttft=ttft, gap=0.01, tokens=4, sent_at=i * 0.2, repeat=repeat)
+            for repeat, ttft in enumerate(ttfts)
+            for i in range(5)
+        ]
+        run = RateRun(1.0, summarize(1.0, results, slo), results)
+        return ConfigRun(name, "127.0.0.1:1", runs=[run])
+
+    # the second cluster is 1.5x slower in run 1 and 0.5x as slow in run 2
+    configs = [config("a", (0.2, 0.4)), config("b", (0.3, 0.2))]
+    result = BenchResult(MIXED, [1.0], 1, 10, 0, 0, slo, "cmd", "m", {}, configs, repeats=2)
+    text = markdown(result, [])
+    assert "run 2 times with arrivals and prompts of their own and pooled" in text
+    assert "| 1 | TTFT p90 | 400 | 300 | 0.75x |" in text  # pooled: each over both runs
+    by_run = text[text.index("## Run by run") :]
+    assert "| 1 | 1 | TTFT p90 | 200 | 300 | 1.50x |" in by_run
+    assert "| 1 | 2 | TTFT p90 | 400 | 200 | 0.50x |" in by_run
+    assert to_json(result)["repeats"] == 2
+    assert "## Run by run" not in markdown(dataclasses.replace(result, repeats=1), [])
+
+
+def test_the_clusters_take_turns_starting_so_each_run_is_first_as_often():
+    assert [rotation(turn, 2) for turn in range(4)] == [[0, 1], [1, 0], [0, 1], [1, 0]]
+    assert [rotation(turn, 3) for turn in range(3)] == [[0, 1, 2], [1, 2, 0], [2, 0, 1]]
+
+
 def test_the_plots_draw_each_request_kind(tmp_path):
     result = two_kind_result(tmp_path)
     for plot in (plot_cdfs, plot_latency_vs_rate):
@@ -306,6 +363,7 @@ def test_bad_flags_fail_before_anything_starts(capsys):
         [*router, "--prompt-len", "fixed:4"],
         [*router, "--rates", "1,2", "--timeline-rate", "3"],
         [*router, "--ttft-slo-scale", "0"],
+        [*router, "--repeats", "0"],
         ["--compare", "prefill:1"],
     ):
         args = bench_args(*argv)
@@ -399,6 +457,8 @@ def test_a_tiny_sweep_writes_results_that_add_up(demo_model_dir, tmp_path, monke
         "4,8",
         "--duration",
         "1.5",
+        "--repeats",
+        "2",
         "--warmup",
         "2",
         "--drain",
@@ -420,8 +480,10 @@ def test_a_tiny_sweep_writes_results_that_add_up(demo_model_dir, tmp_path, monke
     for run in config["runs"]:
         s, requests = run["summary"], run["requests"]
         assert run["cluster_cores"] > 0
-        planned = plan(custom_workload("uniform:4:24", "fixed:6"), run["rate"], 1.5, 2, seed=0)
+        workload = custom_workload("uniform:4:24", "fixed:6")
+        planned = [p for k in (0, 1) for p in plan(workload, run["rate"], 1.5, 2, 0, repeat=k)]
         assert [r["prompt_tokens"] for r in requests] == [len(p.prompt_token_ids) for p in planned]
+        assert [r["repeat"] for r in requests] == [p.repeat for p in planned]
         assert s["num_requests"] + s["num_warmup"] == len(requests)
         assert s["num_completed"] + s["num_failed"] == s["num_requests"]
         assert s["num_failed"] == 0
@@ -433,6 +495,7 @@ def test_a_tiny_sweep_writes_results_that_add_up(demo_model_dir, tmp_path, monke
             stats = s[name]
             assert stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["max"]
         assert 0 <= s["slo_attainment"] <= 1
+    assert data["repeats"] == 2
     assert "colocated:1" in (out / "custom.md").read_text()
     for figure in ("custom-cdf.png", "custom-vs-rate.png", "custom-timeline.png"):
         data = (out / figure).read_bytes()

@@ -223,6 +223,20 @@ def test_a_record_that_does_not_parse_is_refused_naming_the_field():
         parse_record({**base, "configs": [{"name": "colocated:2", "runs": []}]}, "r.json", {})
 
 
+def test_a_rate_run_several_times_offered_its_load_over_every_runs_window():
+    request = {"index": 0, "kind": "k", "warmup": False, "prompt_tokens": 8, "max_tokens": 4}
+    run = {"rate": 2, "requests": [{**request, "sent_at": 0.0, "repeat": k} for k in (0, 1)]}
+    record = {
+        "slo": {"ttft_ms": 300, "tpot_ms": 20},
+        "duration_s": 10,
+        "repeats": 3,
+        "configs": [{"name": "prefill:1,decode:1", "runs": [run]}],
+    }
+    [recorded] = parse_record(record, "r.json", {}).runs
+    assert recorded.duration_s == 30 and len(recorded.results) == 2
+    assert parse_record({**record, "repeats": 1}, "r.json", {}).runs[0].duration_s == 10
+
+
 def test_pdserve_plan_refuses_a_record_it_cannot_read_in_one_line(tmp_path):
     missing = tmp_path / "missing.json"
     done = subprocess.run(

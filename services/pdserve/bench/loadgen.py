@@ -32,6 +32,7 @@ class RequestResult:
     token_times: list[float] = field(default_factory=list)  # seconds after sent_at, per token
     timings: dict[str, float] | None = None  # the router's, from the final message (ms)
     error: str = ""  # empty: the request finished
+    repeat: int = 0  # which of the rate's repeated runs sent it (`sent_at` is from its start)
 
     @property
     def ok(self) -> bool:
@@ -75,6 +76,7 @@ async def send_one(
         len(request.prompt_token_ids),
         request.max_tokens,
         sent - start,
+        repeat=request.repeat,
     )
     params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
     try:

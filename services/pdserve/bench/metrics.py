@@ -128,7 +128,9 @@ class RateSummary:
     num_failed: int  # errors and requests cut off at the end of the run
     num_warmup: int
     num_output_tokens: int  # of the completed requests
-    window_s: float  # first measured send to the last measured request's last token
+    # first measured send to the last measured request's last token; a rate run several
+    # times (`--repeats`): the sum of each run's window
+    window_s: float
     ttft: Stats
     tpot: Stats
     itl: Stats
@@ -144,9 +146,7 @@ def summarize(rate: float, results: Sequence[RequestResult], slo: SLO) -> RateSu
     measured = [r for r in results if not r.warmup]
     done = [r for r in measured if r.ok]
     tokens = sum(r.output_tokens for r in done)
-    window = 0.0
-    if done:
-        window = max(r.sent_at + r.e2e for r in done) - min(r.sent_at for r in measured)
+    window = sum(_window(measured, done, repeat) for repeat in {r.repeat for r in measured})
     kinds = sorted({r.kind for r in measured})
     return RateSummary(
         rate=rate,
@@ -173,6 +173,14 @@ def summarize(rate: float, results: Sequence[RequestResult], slo: SLO) -> RateSu
             for kind in kinds
         },
     )
+
+
+def _window(measured: Sequence[RequestResult], done: Sequence[RequestResult], repeat: int) -> float:
+    """Seconds from the repeat's first measured send to its last token (0: none done)."""
+    finished = [r.sent_at + r.e2e for r in done if r.repeat == repeat]
+    if not finished:
+        return 0.0
+    return max(finished) - min(r.sent_at for r in measured if r.repeat == repeat)
 
 
 def slo_attainment(results: Sequence[RequestResult], slo: SLO) -> float:

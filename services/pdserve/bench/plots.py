@@ -149,7 +149,8 @@ def plot_latency_vs_rate(result: BenchResult, path: Path) -> Path:
 
 def plot_timeline(result: BenchResult, rate: float, path: Path) -> Path:
     """Every request of the run at `rate` as a bar from its send, split into the router's
-    phases: queue, prefill (to the first token), KV transfer and decode. One panel each."""
+    phases: queue, prefill (to the first token), KV transfer and decode. One panel each;
+    of a rate run several times (`--repeats`), the first run."""
     runs = [(config.name, config.run_at(rate)) for config in result.configs]
     runs = [(name, run) for name, run in runs if run is not None]
     fig = _figure((11, 1.2 + 2.6 * len(runs)))
@@ -166,7 +167,7 @@ def plot_timeline(result: BenchResult, rate: float, path: Path) -> Path:
 
 
 def _timeline(ax, run: RateRun) -> None:
-    for r in run.results:
+    for r in run.of_repeat(0):
         if not r.ok or r.timings is None:
             continue
         t = r.timings

@@ -16,6 +16,7 @@ from pdserve.bench.metrics import (
     Stats,
     goodput,
     slo_attainment,
+    summarize,
 )
 from pdserve.bench.workload import Workload
 
@@ -31,6 +32,10 @@ class RateRun:
     # time); None for a router given by address. Far below the cores the workers could use
     # at a load that keeps them busy: the machine was shared.
     cluster_cores: float | None = None
+
+    def of_repeat(self, repeat: int) -> list[RequestResult]:
+        """The requests of one of the rate's repeated runs."""
+        return [r for r in self.results if r.repeat == repeat]
 
 
 @dataclass(slots=True)
@@ -66,6 +71,9 @@ class Sweep:
     num_warmup: int
     seed: int
     slo: SLO
+    # each rate is run this many times per configuration, each time with its own arrivals
+    # and prompts; the statistics pool every run's requests
+    repeats: int = field(default=1, kw_only=True)
 
     def sweep_fields(self) -> dict[str, object]:
         """This sweep's fields by name (shallow: the workload and SLO objects themselves)."""
@@ -90,6 +98,7 @@ def to_json(result: BenchResult) -> dict:
         "drain_s": result.drain_s,
         "num_warmup": result.num_warmup,
         "seed": result.seed,
+        "repeats": result.repeats,
         "slo": {
             **dataclasses.asdict(result.slo),
             "ttft_ms_by_kind": {k: result.slo.ttft_ms_for(k) for k in result.slo.solo_ttft_ms},
@@ -159,11 +168,10 @@ def markdown(result: BenchResult, figures: list[str]) -> str:
         "",
         f"Model `{result.model}`; Poisson arrivals, seed {result.seed}; per rate "
         f"{result.num_warmup} warm-up requests, then {result.duration_s:g} s of measured "
-        f"arrivals; requests unfinished {result.drain_s:g} s after the last send count as "
-        f"failed. SLOs: {slo.ttft_text()}{_per_kind_text(slo)} and TPOT <= {slo.tpot_ms:g} ms; "
-        "goodput "
-        f"is the highest swept rate up to which >= {SLO_ATTAINMENT_GOAL:.0%} of requests meet "
-        "both. Latencies in ms.",
+        f"arrivals{_repeats_text(result.repeats)}; requests unfinished {result.drain_s:g} s "
+        f"after the last send count as failed. SLOs: {slo.ttft_text()}{_per_kind_text(slo)} "
+        f"and TPOT <= {slo.tpot_ms:g} ms; goodput is the highest swept rate up to which "
+        f">= {SLO_ATTAINMENT_GOAL:.0%} of requests meet both. Latencies in ms.",
         "",
         _machine_text(result.machine),
         "",
@@ -178,6 +186,8 @@ def markdown(result: BenchResult, figures: list[str]) -> str:
     ]
     if len(result.configs) > 1:
         lines += ["## Side by side", "", *compare_tables(result), ""]
+    if len(result.configs) > 1 and result.repeats > 1:
+        lines += ["## Run by run", "", *repeat_tables(result), ""]
     lines += [
         "## Goodput under other SLOs",
         "",
@@ -298,6 +308,33 @@ def compare_tables(result: BenchResult) -> list[str]:
         ]
     )
     return [_table(header, rows)]
+
+
+def repeat_tables(result: BenchResult) -> list[str]:
+    """Each repeated run's TTFT and TPOT p90 on its own, against the baseline's run of the
+    same arrivals: the spread the pooled ratios above sit in."""
+    base, others = result.configs[0], result.configs[1:]
+    header = ["req/s", "run", "metric", base.name, *(c.name for c in others)]
+    header += [f"{c.name} / {base.name}" for c in others]
+    metrics = (("TTFT p90", lambda rs: rs.ttft.p90), ("TPOT p90", lambda rs: rs.tpot.p90))
+    rows = []
+    for rate in result.rates:
+        runs = [c.run_at(rate) for c in result.configs]
+        if any(run is None for run in runs):
+            continue
+        for repeat in range(result.repeats):
+            parts = [summarize(rate, run.of_repeat(repeat), result.slo) for run in runs]
+            for name, value in metrics:
+                values = [value(part) for part in parts]
+                ratios = [_ratio(v, values[0]) for v in values[1:]]
+                rows.append([f"{rate:g}", str(repeat + 1), name, *map(_ms, values), *ratios])
+    return [_table(header, rows)]
+
+
+def _repeats_text(repeats: int) -> str:
+    if repeats == 1:
+        return ""
+    return f", run {repeats} times with arrivals and prompts of their own and pooled"
 
 
 SLO_SCALES = (0.5, 1.0, 2.0)  # the grid: each SLO halved, as given, doubled

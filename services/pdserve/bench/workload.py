@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Prompt ids are random tokens past <unk>, <s>, </s>, inside every demo vocabulary.
 FIRST_PROMPT_ID, PROMPT_ID_LIMIT = 3, 1000
@@ -150,20 +150,29 @@ class PlannedRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     warmup: bool  # sent like the others, left out of the statistics
+    repeat: int = 0  # which of the rate's repeated runs (`plan`'s `repeat`)
 
 
 def plan(
-    workload: Workload, rate: float, duration_s: float, num_warmup: int, seed: int
+    workload: Workload,
+    rate: float,
+    duration_s: float,
+    num_warmup: int,
+    seed: int,
+    repeat: int = 0,
 ) -> list[PlannedRequest]:
     """Poisson arrivals at `rate` per second: `num_warmup` requests, then `duration_s` of them.
 
-    The measured window opens with the first request after the warm-up ones.
+    The measured window opens with the first request after the warm-up ones. Each `repeat`
+    of a rate draws its own arrivals, lengths and prompts (a repeat of the same prompts
+    would hit the prefix cache); repeat 0 is the plan of a run that is not repeated.
     """
-    if rate <= 0 or duration_s <= 0 or num_warmup < 0:
-        raise ValueError("rate and duration must be > 0 and the warm-up count >= 0")
-    arrivals = random.Random(f"{seed}/arrivals")
-    lengths = random.Random(f"{seed}/lengths")
-    prompt_ids = random.Random(f"{seed}/prompts/{rate!r}")
+    if rate <= 0 or duration_s <= 0 or num_warmup < 0 or repeat < 0:
+        raise ValueError("rate and duration must be > 0, the warm-up count and repeat >= 0")
+    key = f"{seed}" if repeat == 0 else f"{seed}/repeat/{repeat}"
+    arrivals = random.Random(f"{key}/arrivals")
+    lengths = random.Random(f"{key}/lengths")
+    prompt_ids = random.Random(f"{key}/prompts/{rate!r}")
     planned: list[PlannedRequest] = []
     unit_time, window_start = 0.0, None
     while True:
@@ -174,7 +183,8 @@ def plan(
             if send_at - window_start >= duration_s:
                 return planned
         kind = workload.pick(lengths)
-        planned.append(sample_request(kind, lengths, prompt_ids, len(planned), send_at, warmup))
+        request = sample_request(kind, lengths, prompt_ids, len(planned), send_at, warmup)
+        planned.append(replace(request, repeat=repeat))
         unit_time += arrivals.expovariate(1.0)
 
 

@@ -1,9 +1,10 @@
 """`pdserve bench`: an open-loop sweep of request rates against a router, or against local
 clusters of several shapes side by side (`--compare colocated:2 prefill:1,decode:1`).
 
-Compared clusters run at the same time but are measured one at a time, rate by rate, in
-alternating order (a b, b a, ...), so a slow spell of the machine lands on both. Writes
-WORKLOAD.json (every request's token times), WORKLOAD.md and three PNGs into --out.
+Compared clusters run at the same time but are measured one at a time, rate by rate (and
+run by run with --repeats), in rotation (a b, b a, ...: bench/sweep.py), so a slow spell of
+the machine lands on both. Writes WORKLOAD.json (every request's token times), WORKLOAD.md
+and three PNGs into --out.
 """
 
 from __future__ import annotations
@@ -12,31 +13,19 @@ import argparse
 import asyncio
 import contextlib
 import os
-import random
 import shlex
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from pdserve.bench.loadgen import run_plan
-from pdserve.bench.machine import cpu_seconds, facts
-from pdserve.bench.metrics import MS, SLO, summarize
+from pdserve.bench.machine import facts
+from pdserve.bench.metrics import SLO
 from pdserve.bench.plots import plot_cdfs, plot_latency_vs_rate, plot_timeline, require_matplotlib
-from pdserve.bench.report import (
-    BenchResult,
-    ConfigRun,
-    RateRun,
-    Sweep,
-    markdown,
-    solo_text,
-    write_json,
-)
-from pdserve.bench.workload import WORKLOADS, custom_workload, plan, sample_request
-from pdserve.client import AsyncClient, PdserveError
+from pdserve.bench.report import BenchResult, Sweep, markdown, write_json
+from pdserve.bench.sweep import Target, measure
+from pdserve.bench.workload import WORKLOADS, custom_workload
+from pdserve.client import PdserveError
 from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.commands import EXIT_INTERRUPTED, add_router_argument, fail, router_address
 from pdserve.commands.connection import (
@@ -56,10 +45,6 @@ DEFAULT_OUT = "bench-results"
 # --colocate-below for an all-colocated shape: every prompt is prefilled on the worker that
 # decodes it. Without it the router would ship KV between two `both` workers.
 COLOCATE_EVERY_PROMPT = 1 << 30
-SETTLE_S = 1.0  # pause between runs: cancelled requests of the last one are freed by then
-# Requests of each kind sent alone: the first ones warm the workers up (two, so a worker
-# pair sharing requests both get one), the others are timed and their median kept.
-SOLO_WARMUPS, SOLO_TIMED = 2, 3
 DEFAULT_TTFT_SLO_MS = 2000.0  # absolute, without --ttft-slo-scale
 DEFAULT_TTFT_SLO_FLOOR_MS = 200.0  # with --ttft-slo-scale: no kind's bound is below it
 
@@ -89,8 +74,8 @@ class BenchConfig(Sweep):
         timeline_rate = rates[len(rates) // 2] if args.timeline_rate is None else args.timeline_rate
         if timeline_rate not in rates:
             raise ValueError(f"--timeline-rate {timeline_rate:g} is not one of the rates")
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        if args.threads < 1 or args.repeats < 1:
+            raise ValueError("--threads and --repeats must be >= 1")
         return cls(
             workload=workload,
             rates=rates,
@@ -99,6 +84,7 @@ class BenchConfig(Sweep):
             num_warmup=args.warmup,
             seed=args.seed,
             slo=_slo(args),
+            repeats=args.repeats,
             shapes=[ClusterShape.parse(s) for s in args.compare or []],
             timeline_rate=timeline_rate,
         )
@@ -111,14 +97,6 @@ def _slo(args: argparse.Namespace) -> SLO:
         return SLO(ttft_ms, args.tpot_slo_ms)
     floor = DEFAULT_TTFT_SLO_FLOOR_MS if args.ttft_slo_ms is None else args.ttft_slo_ms
     return SLO(floor, args.tpot_slo_ms, ttft_scale=args.ttft_slo_scale)
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    name: str
-    address: str
-    pids: tuple[int, ...] = ()  # a local cluster's processes, for its CPU time
-    connection: RouterConnection = RouterConnection()  # --router's TLS and API key
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -144,13 +122,14 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         help="with --compare: extra argument for every worker (repeatable)",
     )
     _add_load_arguments(cmd)
+    _add_slo_arguments(cmd)
     add_connection_arguments(cmd)  # for --router
     cmd.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     cmd.set_defaults(run=run)
 
 
 def _add_load_arguments(cmd: argparse.ArgumentParser) -> None:
-    """What load is sent, for how long, and what counts as meeting the SLO."""
+    """What load is sent, for how long and how many times."""
     cmd.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
     cmd.add_argument(
         "--prompt-len",
@@ -175,7 +154,26 @@ def _add_load_arguments(cmd: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds after the last send until unfinished requests count as failed",
     )
+    cmd.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run each rate N times per cluster, each run with arrivals and prompts of its "
+        "own, in rotation between clusters; the statistics pool the runs, and the report "
+        "gives each run's ratios too (the spread a pooled ratio sits in)",
+    )
     cmd.add_argument("--seed", type=int, default=0)
+    cmd.add_argument(
+        "--timeline-rate",
+        type=float,
+        default=None,
+        help="the rate whose run the timeline plot shows (default: mid-sweep)",
+    )
+
+
+def _add_slo_arguments(cmd: argparse.ArgumentParser) -> None:
+    """What counts as meeting the SLOs."""
     cmd.add_argument(
         "--ttft-slo-ms",
         type=float,
@@ -192,12 +190,6 @@ def _add_load_arguments(cmd: argparse.ArgumentParser) -> None:
         "calibration of the first cluster or router listed), at least --ttft-slo-ms",
     )
     cmd.add_argument("--tpot-slo-ms", type=float, default=200.0)
-    cmd.add_argument(
-        "--timeline-rate",
-        type=float,
-        default=None,
-        help="the rate whose run the timeline plot shows (default: mid-sweep)",
-    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -221,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         with sigterm_raises(), contextlib.ExitStack() as stack:
             targets = _start_targets(args, model, config.shapes, out, stack, console, connection)
             stack.callback(ignore_sigterm)  # first on the way out: the clusters stop whole
-            measuring = cancelled_by_sigterm(_measure(config, targets, console))
+            measuring = cancelled_by_sigterm(measure(config, targets, console))
             model, configs = asyncio.run(measuring)
     except (RuntimeError, OSError, PdserveError) as exc:
         return fail("bench", exc)
@@ -270,7 +262,7 @@ def _start_targets(
     shape (stopped with `stack`)."""
     if not shapes:
         address = router_address(args.router)
-        return [Target(address, address, connection=connection)]
+        return [Target(address, address, client_kwargs=connection.client_kwargs)]
     targets = []
     for shape, name in zip(shapes, target_names(shapes), strict=True):
         router_args = ["--colocate-below", str(COLOCATE_EVERY_PROMPT)] if not shape.prefill else []
@@ -309,68 +301,6 @@ def log_dir_name(name: str) -> str:
     return name.replace(":", "").replace(",", "-").replace(" #", "-")
 
 
-async def _measure(
-    config: BenchConfig, targets: list[Target], console: Console
-) -> tuple[str, list[ConfigRun]]:
-    """The model's name, and every target measured alone per kind, then at every rate."""
-    first = targets[0]
-    async with AsyncClient(first.address, timeout=30, **first.connection.client_kwargs) as client:
-        model = (await client.model_info()).model
-    configs = [ConfigRun(t.name, t.address) for t in targets]
-    for target, c in zip(targets, configs, strict=True):
-        c.solo = await _solo(target, config)
-        console.print(f"{c.name} alone: {solo_text(c.solo)}")
-    config.slo = config.slo.calibrated(configs[0].solo)  # relative to the first listed
-    console.print(f"SLOs: {config.slo.ttft_text()}, TPOT <= {config.slo.tpot_ms:g} ms")
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console) as progress:
-        for i, rate in enumerate(config.rates):
-            planned = plan(config.workload, rate, config.duration_s, config.num_warmup, config.seed)
-            pairs = list(zip(targets, configs, strict=True))
-            for target, c in pairs if i % 2 == 0 else pairs[::-1]:
-                task = progress.add_task(f"{c.name} @ {rate:g} req/s", total=len(planned))
-                cpu, start = cpu_seconds(target.pids), time.perf_counter()
-                results = await run_plan(
-                    c.address,
-                    planned,
-                    config.drain_s,
-                    on_done=lambda r, t=task: progress.advance(t),
-                    **target.connection.client_kwargs,
-                )
-                cores = (cpu_seconds(target.pids) - cpu) / (time.perf_counter() - start)
-                summary = summarize(rate, results, config.slo)
-                c.runs.append(RateRun(rate, summary, results, cores if target.pids else None))
-                await asyncio.sleep(SETTLE_S)
-    for c in configs:
-        c.runs.sort(key=lambda run: run.rate)
-    return model, configs
-
-
-async def _solo(target: Target, config: BenchConfig) -> dict[str, dict[str, float]]:
-    """Requests of each kind sent alone, timed: what an idle cluster does (calibration)."""
-    solo = {}
-    for kind in config.workload.kinds:
-        timed = []
-        for repeat in range(SOLO_WARMUPS + SOLO_TIMED):  # fresh prompt ids: no cache hits
-            rng = random.Random(f"{config.seed}/solo/{kind.name}/{repeat}")
-            planned = [sample_request(kind, rng, rng)]
-            connection = target.connection.client_kwargs
-            [result] = await run_plan(target.address, planned, config.drain_s, **connection)
-            if not result.ok:
-                raise RuntimeError(f"a {kind.name} request alone failed: {result.error}")
-            timed += [result] if repeat >= SOLO_WARMUPS else []
-        solo[kind.name] = {
-            "ttft_ms": statistics.median(r.ttft for r in timed) * MS,
-            "tpot_ms": statistics.median(r.tpot or 0.0 for r in timed) * MS,
-        }
-    return solo
-
-
 def _command_line(args: argparse.Namespace, model: str) -> str:
     """The flags that decide the results, as a command to run again."""
     words = ["pdserve", "bench"]
@@ -391,6 +321,7 @@ def _command_line(args: argparse.Namespace, model: str) -> str:
         ("--warmup", args.warmup),
         ("--drain", args.drain),
         ("--seed", args.seed),
+        ("--repeats", args.repeats if args.repeats != 1 else None),
         ("--ttft-slo-ms", args.ttft_slo_ms),
         ("--ttft-slo-scale", args.ttft_slo_scale),
         ("--tpot-slo-ms", args.tpot_slo_ms),

@@ -32,7 +32,7 @@ class RecordedRun:
     num_prefill: int  # its workers of each pool
     num_decode: int
     rate: float  # requests per second offered
-    duration_s: float  # the measured arrivals' window
+    duration_s: float  # the measured arrivals' window (all of a repeated rate's runs)
     results: tuple[RequestResult, ...]  # measured requests only (warm-ups left out)
 
     @property
@@ -84,7 +84,8 @@ def parse_record(data: object, path: str, shapes: Mapping[str, ClusterShape]) ->
             None if scale is None else float(scale),
             {str(k): float(v) for k, v in (slo_field.get("solo_ttft_ms") or {}).items()},
         )
-        duration_s = float(top["duration_s"])
+        # a rate run several times (`--repeats`) offered its load over every run's window
+        duration_s = float(top["duration_s"]) * int(top.get("repeats", 1))
     except (KeyError, TypeError, ValueError) as exc:
         raise RecordError(f"{path}: slo or duration_s: {exc}") from exc
     runs, skipped = [], []
