@@ -10,7 +10,7 @@ import grpc
 import pytest
 from procs import router_process, worker_process
 
-from pdserve.api.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdserve.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 from pdserve.core.block_hash import prompt_block_hashes
 from pdserve.core.errors import PreconditionError
 from pdserve.core.sampling_params import SamplingParams
@@ -21,10 +21,12 @@ from pdserve.rpc.wire import sampling_params_to_proto
 
 BLOCK_SIZE = 32
 PROMPT = [(17 * i) % 900 + 5 for i in range(100)]  # 3 full blocks of 32, and a partial one
-LONG = SamplingParams(temperature=0.0, max_tokens=220, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-# PROMPT + LONG hold ceil(320 / 32) = 10 blocks of 32 at their longest (20 blocks of 16).
-ROOMY_BLOCKS, SMALL_BLOCKS = 40, 25
+# PROMPT + LONG hold ceil(1000 / 32) = 32 blocks of 32 at their longest (63 blocks of 16):
+# 100 - 32 = 68 > 50 left on the roomy worker, where a count of 16s would see 100 - 63 = 37.
+LONG_BLOCKS = 32
+ROOMY_BLOCKS, SMALL_BLOCKS = 100, 50
 
 
 def worker(address: str, role: str, block_size: int) -> WorkerInfo:
@@ -40,7 +42,7 @@ def test_an_attempt_hashes_and_counts_in_the_pools_block_size():
     attempt = Attempt("r", PROMPT, sampling).for_block_size(pool.block_size)
     assert attempt.block_hashes == prompt_block_hashes(PROMPT, 32)
     assert len(attempt.block_hashes) == 3  # (100 - 1) // 32: the last token's block never
-    assert attempt.num_blocks_needed == 10
+    assert attempt.num_blocks_needed == LONG_BLOCKS
 
 
 def test_a_pool_whose_workers_disagree_on_the_block_size_is_refused():
@@ -104,27 +106,46 @@ def cluster32(demo_model_dir, redis_url, tmp_path_factory):
         yield router, prefill, roomy, small
 
 
+async def most_blocks_held(worker, stop: asyncio.Event) -> int:
+    """The most blocks `worker` held at once until `stop`, by its own GetLoad, polled on
+    one channel (a request's whole life is watched, however the scheduler delays us)."""
+    most = 0
+    async with worker.channel() as channel:
+        stub = decode_pb2_grpc.DecodeStub(channel)
+        while True:
+            load = await stub.GetLoad(decode_pb2.GetLoadRequest())
+            most = max(most, load.total_blocks - load.free_blocks)
+            if stop.is_set():
+                return most
+            await asyncio.sleep(0.005)
+
+
 async def test_requests_are_admitted_by_their_blocks_of_32(cluster32):
-    """The roomy worker (40 blocks) takes a long request (10 blocks of 32) and still has
-    more room than the small one (25): the next request goes there too. A router that
-    counted blocks of 16 would see the roomy one at 40 - 20 and send it to the small one."""
+    """The roomy worker (100 blocks) takes a long request (32 blocks of 32) and still has
+    more room than the small one (50): the next request goes there too. A router that
+    counted blocks of 16 would see the roomy one at 100 - 63 and send it to the small one."""
     router, _, roomy, small = cluster32
     async with grpc.aio.insecure_channel(router) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         await wait_for_workers(stub, 3)
         long_id, short_id = f"long-{time.time_ns()}", f"short-{time.time_ns()}"
+        stop = asyncio.Event()
+        watch = asyncio.create_task(most_blocks_held(roomy, stop))
         stream = stub.Generate(generate_request(PROMPT, LONG, long_id))
         first = await stream.read()  # admitted, prefilled, decoding
-        reserved = roomy.total_blocks - (await asyncio.to_thread(roomy.load)).free_blocks
-        assert 0 < reserved <= 10  # the worker's own count, in blocks of 32
         short = await final_message(stub, PROMPT[:10], SHORT, short_id)
         rest = []
         while (message := await stream.read()) is not grpc.aio.EOF:
             rest.append(message)
+        stop.set()
+        reserved = await watch
         infos = [
             await stub.GetRequest(router_pb2.GetRequestRequest(request_id=request_id))
             for request_id in (long_id, short_id)
         ]
+    # the worker's own count, in blocks of 32: the long request's, and the short one's
+    # (1 block) if they overlapped
+    assert LONG_BLOCKS <= reserved <= LONG_BLOCKS + 1
     assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert len(first.token_ids) + sum(len(m.token_ids) for m in rest) == LONG.max_tokens
     assert short.finish_reason == common_pb2.FINISH_REASON_LENGTH
