@@ -21,8 +21,9 @@ import pytest
 from procs import alive, descendants_of
 
 from pdserve.bench.component import alternate
+from pdserve.bench.cores import split_table
 from pdserve.bench.loadgen import RequestResult
-from pdserve.bench.machine import CpuWindow, cpu_seconds
+from pdserve.bench.machine import OWN, REST, CpuSample, CpuWindow, cpu_seconds
 from pdserve.bench.metrics import SLO, goodput, percentile, slo_attainment, summarize
 from pdserve.bench.plots import plot_cdfs, plot_latency_vs_rate
 from pdserve.bench.report import (
@@ -415,6 +416,47 @@ def test_a_cpu_window_counts_the_named_process_apart_from_the_rest_of_the_machin
     assert "other processes used" in window.others_line(noisy_share=1.0)
 
 
+def test_a_cpu_sample_splits_a_window_into_groups_this_process_and_the_rest():
+    spin = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass"
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()\n" + spin], stdin=subprocess.PIPE
+    )
+    try:
+        before = CpuSample.take({"spinner": (child.pid,)})
+        child.stdin.close()  # now it spins 0.4 s, then exits: sample while it is alive
+        end = time.process_time() + 0.2
+        while time.process_time() < end:  # this process busy too, meanwhile
+            pass
+        time.sleep(0.4)
+        after = CpuSample.take({"spinner": (child.pid,)})
+    finally:
+        child.wait(10)
+    used = after.seconds_since(before)
+    assert set(used) == {"spinner", OWN, REST}
+    assert used["spinner"] >= 0.2 and used[OWN] >= 0.15  # clock ticks: 10 ms granularity
+    assert used[REST] >= 0
+    assert after.at - before.at >= 0.6
+
+
+def test_the_cpu_split_gives_each_role_and_what_stayed_idle_of_the_machine():
+    def run(rate: float, cores: dict[str, float]) -> RateRun:
+        return RateRun(rate, summarize(rate, [], SLO(1000, 100)), [], cores)
+
+    roles = {"router": 0.05, "prefill": 0.44, "decode": 0.96}
+    runs = [run(1, {**roles, OWN: 0.1, REST: 0.05}), run(2, {**roles, OWN: 0.2})]
+    header, rows = split_table(runs, cpus=2)
+    assert header == ["req/s", "router", "prefill", "decode", OWN, REST, "idle (of 2)"]
+    assert rows == [
+        ["1", "0.05", "0.44", "0.96", "0.10", "0.05", "0.40"],
+        ["2", "0.05", "0.44", "0.96", "0.20", "-", "-"],  # no /proc/stat: idle unknown
+    ]
+    assert runs[0].cluster_cores == pytest.approx(1.45)
+    given = run(1, {OWN: 0.1, REST: 1.2})  # a router given by address: no role measured
+    assert given.cluster_cores is None
+    assert split_table([given], cpus=2)[1] == [["1", "0.10", "1.20", "0.70"]]
+    assert split_table([run(1, {})], cpus=2)[1] == []
+
+
 def test_cpu_seconds_of_a_process_that_exited_is_an_error_not_zero():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
@@ -479,7 +521,10 @@ def test_a_tiny_sweep_writes_results_that_add_up(demo_model_dir, tmp_path, monke
     assert [run["rate"] for run in config["runs"]] == [4, 8]
     for run in config["runs"]:
         s, requests = run["summary"], run["requests"]
-        assert run["cluster_cores"] > 0
+        cores = run["cores"]
+        assert set(cores) == {"router", "colocated", OWN, REST}
+        assert min(cores["router"], cores["colocated"], cores[OWN]) > 0
+        assert run["cluster_cores"] == pytest.approx(cores["router"] + cores["colocated"])
         workload = custom_workload("uniform:4:24", "fixed:6")
         planned = [p for k in (0, 1) for p in plan(workload, run["rate"], 1.5, 2, 0, repeat=k)]
         assert [r["prompt_tokens"] for r in requests] == [len(p.prompt_token_ids) for p in planned]
@@ -496,7 +541,9 @@ def test_a_tiny_sweep_writes_results_that_add_up(demo_model_dir, tmp_path, monke
             assert stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["max"]
         assert 0 <= s["slo_attainment"] <= 1
     assert data["repeats"] == 2
-    assert "colocated:1" in (out / "custom.md").read_text()
+    text = (out / "custom.md").read_text()
+    assert "colocated:1" in text
+    assert f"| req/s | colocated | router | {OWN} | {REST} | idle (of {os.cpu_count()}) |" in text
     for figure in ("custom-cdf.png", "custom-vs-rate.png", "custom-timeline.png"):
         data = (out / figure).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) < 200_000

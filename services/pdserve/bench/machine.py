@@ -12,11 +12,14 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+# `CpuSample.seconds_since`'s names for this process and for everything else on the machine
+OWN, REST = "bench itself", "rest of machine"
 CPU_QUOTA_PERIOD_US = 100_000
 MIN_CPU_QUOTA_US = 1000  # the kernel refuses a smaller quota
 
@@ -82,7 +85,7 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(after_comm[11]) + int(after_comm[12])) / CLOCK_TICKS
 
 
-def cpu_seconds(pids: tuple[int, ...] | list[int]) -> float:
+def cpu_seconds(pids: Sequence[int]) -> float:
     """CPU-seconds these processes used so far; ProcessLookupError if one has no /proc entry."""
     total = 0.0
     for pid in pids:
@@ -91,6 +94,34 @@ def cpu_seconds(pids: tuple[int, ...] | list[int]) -> float:
             raise ProcessLookupError(f"no /proc entry for process {pid}: did it exit?")
         total += seconds
     return total
+
+
+@dataclass(frozen=True, slots=True)
+class CpuSample:
+    """CPU-seconds used so far by named groups of processes, by this process, and by the
+    whole machine (None without /proc/stat), at one instant: two samples give a window's
+    split of the machine (`CpuSample.cores_since`)."""
+
+    groups: dict[str, float]
+    own_s: float
+    machine_s: float | None
+    at: float
+
+    @classmethod
+    def take(cls, pids: Mapping[str, Sequence[int]]) -> CpuSample:
+        """Now, for `pids` by group name (ProcessLookupError if one has no /proc entry)."""
+        groups = {name: cpu_seconds(group) for name, group in pids.items()}
+        return cls(groups, time.process_time(), machine_busy_seconds(), time.perf_counter())
+
+    def seconds_since(self, before: CpuSample) -> dict[str, float]:
+        """CPU-seconds each group, this process (OWN) and the rest of the machine (REST:
+        every other process, and the kernel's work for none of them) used between the
+        two samples; REST is left out without /proc/stat."""
+        used = {name: s - before.groups[name] for name, s in self.groups.items()}
+        used[OWN] = self.own_s - before.own_s
+        if self.machine_s is not None and before.machine_s is not None:
+            used[REST] = max(0.0, self.machine_s - before.machine_s - sum(used.values()))
+        return used
 
 
 def others_line(others_s: float | None, wall_s: float, noisy_share: float) -> str:

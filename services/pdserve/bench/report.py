@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.bench.cores import cluster_cores, split_table
 from pdserve.bench.loadgen import RequestResult
 from pdserve.bench.metrics import (
     SLO,
@@ -28,10 +29,13 @@ class RateRun:
     rate: float
     summary: RateSummary
     results: list[RequestResult]
-    # CPU cores the cluster's processes used on average over the run (CPU time / wall
-    # time); None for a router given by address. Far below the cores the workers could use
-    # at a load that keeps them busy: the machine was shared.
-    cluster_cores: float | None = None
+    # CPU cores used on average over the run (CPU time / wall time) by each role of a local
+    # cluster, by the benchmark itself and by the rest of the machine (`bench/cores.py`)
+    cores: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def cluster_cores(self) -> float | None:
+        return cluster_cores(self.cores)
 
     def of_repeat(self, repeat: int) -> list[RequestResult]:
         """The requests of one of the rate's repeated runs."""
@@ -125,6 +129,7 @@ def to_json(result: BenchResult) -> dict:
                     {
                         "rate": run.rate,
                         "cluster_cores": run.cluster_cores,
+                        "cores": run.cores,
                         "summary": _finite(dataclasses.asdict(run.summary)),
                         "requests": [_request_json(r) for r in run.results],
                     }
@@ -199,7 +204,7 @@ def markdown(result: BenchResult, figures: list[str]) -> str:
         "",
     ]
     for config in result.configs:
-        lines += [f"## {config.name}", "", *config_tables(config), ""]
+        lines += [f"## {config.name}", "", *config_tables(config, result.machine.get("cpus")), ""]
     lines += [f"![{name}]({name})" for name in figures]
     return "\n".join(lines) + "\n"
 
@@ -223,7 +228,7 @@ def solo_text(solo: dict[str, dict[str, float]]) -> str:
     )
 
 
-def config_tables(config: ConfigRun) -> list[str]:
+def config_tables(config: ConfigRun, cpus: int | None = None) -> list[str]:
     rows = [
         [
             f"{run.rate:g}",
@@ -268,6 +273,8 @@ def config_tables(config: ConfigRun) -> list[str]:
     ]
     if kind_rows:
         lines += ["", _table(["req/s", "kind", "TTFT p50/p90/p99", "TPOT p50/p90/p99"], kind_rows)]
+    if (split := split_table(config.runs, cpus))[1]:
+        lines += ["", "Where the CPU went (cores, on average over the runs):", "", _table(*split)]
     return lines + ["", f"Goodput: **{config.goodput:g} req/s**."]
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import random
 import statistics
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -20,7 +19,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pdserve.bench.loadgen import RequestResult, run_plan
-from pdserve.bench.machine import cpu_seconds
+from pdserve.bench.machine import CpuSample
 from pdserve.bench.metrics import MS, summarize
 from pdserve.bench.report import ConfigRun, RateRun, Sweep, solo_text
 from pdserve.bench.workload import PlannedRequest, plan, sample_request
@@ -36,18 +35,26 @@ SOLO_WARMUPS, SOLO_TIMED = 2, 3
 class Target:
     name: str
     address: str
-    pids: tuple[int, ...] = ()  # a local cluster's processes, for its CPU time
+    # a local cluster's processes by role (router, prefill, decode, colocated), for the
+    # CPU time each role takes
+    pids: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     # what `AsyncClient` takes beside the address (--router's TLS and API key)
     client_kwargs: Mapping[str, object] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
 class _Measured:
-    """One target's runs of one rate so far: their requests and CPU time."""
+    """One target's runs of one rate so far: their requests, and the CPU-seconds of each
+    of its roles, of this benchmark and of the rest of the machine (`CpuSample`)."""
 
     results: list[RequestResult] = field(default_factory=list)
-    cpu_s: float = 0.0
+    cpu_s: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
+
+    @property
+    def cores(self) -> dict[str, float]:
+        """The CPU-seconds as cores used on average over the runs."""
+        return {name: s / self.wall_s for name, s in self.cpu_s.items()} if self.wall_s else {}
 
 
 def rotation(turn: int, count: int) -> list[int]:
@@ -86,11 +93,9 @@ async def measure(
                     )
                     await _run(targets[i], planned, sweep.drain_s, measured[i], advance)
                 turn += 1
-            for target, c, m in zip(targets, configs, measured, strict=True):
-                cores = m.cpu_s / m.wall_s if target.pids else None
-                c.runs.append(
-                    RateRun(rate, summarize(rate, m.results, sweep.slo), m.results, cores)
-                )
+            for c, m in zip(configs, measured, strict=True):
+                summary = summarize(rate, m.results, sweep.slo)
+                c.runs.append(RateRun(rate, summary, m.results, m.cores))
     return model, configs
 
 
@@ -103,12 +108,14 @@ async def _run(
 ) -> None:
     """Send `planned` to `target` (`advance` called per request done); its requests and
     CPU time are added `into`."""
-    cpu, start = cpu_seconds(target.pids), time.perf_counter()
+    before = CpuSample.take(target.pids)
     into.results += await run_plan(
         target.address, planned, drain_s, on_done=lambda r: advance(), **target.client_kwargs
     )
-    into.cpu_s += cpu_seconds(target.pids) - cpu
-    into.wall_s += time.perf_counter() - start
+    after = CpuSample.take(target.pids)
+    for name, seconds in after.seconds_since(before).items():
+        into.cpu_s[name] = into.cpu_s.get(name, 0.0) + seconds
+    into.wall_s += after.at - before.at
     await asyncio.sleep(SETTLE_S)
 
 

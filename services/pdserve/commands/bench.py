@@ -40,6 +40,7 @@ from pdserve.commands.termination import (
     ignore_sigterm,
     sigterm_raises,
 )
+from pdserve.core.tls_config import Role
 
 DEFAULT_OUT = "bench-results"
 # --colocate-below for an all-colocated shape: every prompt is prefilled on the worker that
@@ -278,9 +279,19 @@ def _start_targets(
         with console.status(f"starting {shape} (logs in {run_dir})"):
             stack.enter_context(cluster)
         console.print(f"{shape}: router at {cluster.router_address}")
-        pids = tuple(child.proc.pid for child in cluster.children)
-        targets.append(Target(name, cluster.router_address, pids))
+        targets.append(Target(name, cluster.router_address, pids_by_role(cluster)))
     return targets
+
+
+def pids_by_role(cluster: LocalCluster) -> dict[str, tuple[int, ...]]:
+    """The cluster's processes by role, as its shape names them (router, prefill,
+    decode, colocated): the CPU each role takes is measured apart."""
+    groups: dict[str, tuple[int, ...]] = {}
+    for child in cluster.children:
+        role = Role(child.role)
+        name = "colocated" if role is Role.BOTH else role.value
+        groups[name] = (*groups.get(name, ()), child.proc.pid)
+    return groups
 
 
 def target_names(shapes: list[ClusterShape]) -> list[str]:

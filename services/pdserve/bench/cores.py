@@ -1,0 +1,49 @@
+"""Where a serving benchmark's CPU went, rate by rate: each role of a local cluster (its
+router, prefill, decode or colocated workers), the benchmark itself (load generator and
+client), the rest of the machine, and what stayed idle.
+
+That split is the physical bound a rate's latencies sit under: a worker runs its engine on
+`--threads` torch threads, so a role near that many cores is saturated (its queue, not its
+placement, sets its requests' latency from there on), and a machine with no idle core left
+has no rate above it for any shape. On two cores, a 1-prefill 1-decode cluster can fail its
+SLOs with its prefill worker half idle, because its decode worker is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from pdserve.bench.machine import OWN, REST
+
+if TYPE_CHECKING:
+    from pdserve.bench.report import RateRun
+
+NOT_ROLES = (OWN, REST)
+
+
+def cluster_cores(cores: Mapping[str, float]) -> float | None:
+    """The cluster's processes' cores together; None when none of them were measured (a
+    router given by address)."""
+    roles = [used for name, used in cores.items() if name not in NOT_ROLES]
+    return sum(roles) if roles else None
+
+
+def split_table(runs: Sequence[RateRun], cpus: int | None) -> tuple[list[str], list[list[str]]]:
+    """The header and a row per rate: cores used by each role, by the benchmark, by the
+    rest of the machine, and left idle of `cpus` (unknown without /proc/stat or `cpus`);
+    no rows when no rate was measured on this machine's /proc."""
+    measured = [run for run in runs if run.cores]
+    roles = list(dict.fromkeys(n for run in measured for n in run.cores if n not in NOT_ROLES))
+    header = ["req/s", *roles, OWN, REST, f"idle (of {cpus or '?'})"]
+    rows = []
+    for run in measured:
+        used = [run.cores.get(name) for name in (*roles, OWN, REST)]
+        known = [u for u in used if u is not None]
+        idle = cpus - sum(known) if cpus and REST in run.cores else None
+        rows.append([f"{run.rate:g}", *(_cores(u) for u in used), _cores(idle)])
+    return header, rows
+
+
+def _cores(value: float | None) -> str:
+    return "-" if value is None else f"{max(value, 0.0):.2f}"
