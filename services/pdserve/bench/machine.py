@@ -100,7 +100,7 @@ def cpu_seconds(pids: Sequence[int]) -> float:
 class CpuSample:
     """CPU-seconds used so far by named groups of processes, by this process, and by the
     whole machine (None without /proc/stat), at one instant: two samples give a window's
-    split of the machine (`CpuSample.cores_since`)."""
+    split of the machine (`CpuSample.seconds_since`)."""
 
     groups: dict[str, float]
     own_s: float
