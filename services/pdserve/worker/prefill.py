@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import queue
+import threading
 import time
 import uuid
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 from opentelemetry.trace import SpanKind
@@ -37,6 +42,8 @@ PREFILL_ID_SUFFIX = "/prefill"
 RENEWALS_PER_TTL = 3
 RENEW_RETRY_S = 0.5
 RENEW_TIMEOUT_S = 5.0
+PUSH_THREAD = "kv-push"  # the name of each push's own thread (`on_own_thread`)
+T = TypeVar("T")
 
 
 async def keep_lease_open(
@@ -97,9 +104,44 @@ def exported_chunks(export: KVExport, timeout_s: float):
         yield item
 
 
+async def on_own_thread(name: str, fn: Callable[..., T], *args, **kwargs) -> T:
+    """`fn(*args, **kwargs)` on a thread of its own (in this context), awaited.
+
+    Not on the loop's shared executor, whose threads are few (min(32, cores + 4): 6 on
+    two cores): a KV push waits on its thread for its prompt's layers while the prompt
+    queues in the engine, so with six prompts queued the seventh one's push could not
+    start until one of theirs ended, and a prompt the engine finished first (a short one,
+    or one still on time) sat with its KV unsent, its decode with it, behind prompts
+    that might not run for seconds. Cancelling the caller leaves the thread to finish
+    (the push ends with its prompt), as `asyncio.to_thread` does.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.cancelled():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            outcome = (context.run(fn, *args, **kwargs), None)
+        except BaseException as exc:  # handed to the awaiting task, raised there
+            outcome = (None, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await future
+
+
 async def push_kv(pusher: KVPusher, lease_id: str, chunks, *, request_id: str) -> PushTotals:
-    """Push a prompt's KV into a lease (on a thread: `push` blocks), in a span of its own
-    and counted in the send side's metrics."""
+    """Push a prompt's KV into a lease (on a thread of its own: `push` blocks), in a span
+    of its own and counted in the send side's metrics."""
     with tracing.span("kv_transfer send", request_id, kind=SpanKind.CLIENT) as span:
         layers: set[int] = set()
         if span.is_recording():
@@ -107,7 +149,9 @@ async def push_kv(pusher: KVPusher, lease_id: str, chunks, *, request_id: str) -
         # explicitly: the pusher's calls run on its own loop, in a context of their own
         metadata = tuple(propagation.trace_carrier().items())
         try:
-            totals = await asyncio.to_thread(pusher.push, lease_id, chunks, metadata=metadata)
+            totals = await on_own_thread(
+                PUSH_THREAD, pusher.push, lease_id, chunks, metadata=metadata
+            )
         except Exception as exc:
             metrics.kv_transfer_failed(TransferSide.SEND, _push_failure(exc))
             raise
