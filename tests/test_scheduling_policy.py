@@ -5,6 +5,8 @@ Pure Python on CPU, no model: the scheduler plans, the test pretends the model s
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -12,7 +14,7 @@ from test_scheduler import RandomWorkload, make_request, make_scheduler, plan, s
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.scheduler import SchedulerConfig
-from pdserve.engine.scheduling import SchedulingPolicy
+from pdserve.engine.scheduling import Ordering, SchedulingPolicy
 
 FCFS, PRIORITY, LEAST_WORK = (
     SchedulingPolicy.FCFS,
@@ -175,6 +177,86 @@ def test_no_request_arriving_after_r_over_aging_tokens_of_work_goes_first(
         output, _ = step(scheduler)
         if long.num_computed_tokens < long_len:
             assert not late & {s.request.request_id for s in output.scheduled}
+
+
+# -- deadlines: late prompts after those still on time -----------------------------------------
+
+
+def test_a_prompt_is_late_once_its_wait_and_remaining_work_pass_its_deadline():
+    """Deadline: 2 x max(prompt, budget 8) tokens of work. On the engine's clock of work, a
+    prompt alone is never late: its wait is 0 and its remaining work its own length."""
+    ordering = Ordering(deadline_scale=2.0, min_deadline_tokens=8, work_now=100)
+    long, short = make_request("long", range(16)), make_request("short", range(3))
+    long.work_at_arrival, short.work_at_arrival = 84, 87
+    assert not ordering.is_late(long)  # waited 16 + 16 left = 32 <= 2 x 16
+    assert not ordering.is_late(short)  # 13 + 3 <= 2 x 8: the budget is the floor
+    long.work_at_arrival, short.work_at_arrival = 83, 86
+    assert ordering.is_late(long)  # 17 + 16 > 32
+    assert ordering.is_late(short)  # 14 + 3 > 16
+    assert not dataclasses.replace(ordering, deadline_scale=0.0).is_late(long)  # off
+    long.num_computed_tokens = 8  # started: never late, whatever it waited
+    assert not dataclasses.replace(ordering, work_now=1000).is_late(long)
+    short.append_output_token(7)  # a token out (preempted, it recomputes from 0): never late
+    assert not ordering.is_late(short)
+
+
+@pytest.mark.parametrize(("scale", "first", "second"), [(2.0, "b", "a"), (0.0, "a", "b")])
+def test_a_prompt_past_its_deadline_yields_to_one_still_on_time(scale, first, second):
+    """`a` (16 tokens: deadline 32 tokens of work) waits behind 40 tokens of a lower
+    priority value, so it is late by then; `b` (16) arrives after 32 of them and has waited
+    8 when the engine is free: on time. Without deadlines `a`, aged longer, goes first."""
+    scheduler = scheduler_with(LEAST_WORK, max_num_batched_tokens=8, deadline_scale=scale)
+    add(scheduler, "hog", 40, priority=-1, max_tokens=1)
+    add(scheduler, "a", 16, max_tokens=1)
+    for _ in range(4):
+        step(scheduler)
+    add(scheduler, "b", 16, max_tokens=1)
+
+    assert plan(step(scheduler)[0]) == [("hog", 32, 8)]
+    assert plan(step(scheduler)[0]) == [(first, 0, 8)]
+    assert plan(step(scheduler)[0]) == [(first, 8, 8)]
+    assert plan(step(scheduler)[0]) == [(second, 0, 8)]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    long_len=st.integers(9, 40),
+    penalty=st.integers(0, 48),
+    arrivals=st.lists(st.lists(st.integers(1, 12), max_size=3), min_size=1, max_size=40),
+)
+def test_with_deadlines_no_request_arriving_after_r_plus_penalty_over_aging_goes_first(
+    long_len, penalty, arrivals
+):
+    aging = 0.5
+    scheduler = scheduler_with(
+        LEAST_WORK,
+        num_blocks=512,
+        max_num_batched_tokens=8,
+        aging=aging,
+        max_num_seqs=256,
+        deadline_scale=1.0,
+        deadline_penalty=penalty,
+    )
+    long = add(scheduler, "long", long_len)
+    bound = (long_len + penalty) / aging
+    late: set[str] = set()  # arrived once the engine had done `bound` tokens since
+    for k, lengths in enumerate(arrivals):
+        for i, length in enumerate(lengths):
+            request = add(scheduler, f"r{k}.{i}", length, max_tokens=1)
+            if request.work_at_arrival >= bound:
+                late.add(request.request_id)
+        output, _ = step(scheduler)
+        if long.num_computed_tokens < long_len:
+            assert not late & {s.request.request_id for s in output.scheduled}
+
+
+def test_engines_have_deadlines_on_and_the_scale_must_not_be_negative():
+    assert EngineConfig(model="/nowhere", device="cpu").scheduling_deadline_scale == 2.0
+    assert SchedulerConfig(max_model_len=8).deadline_scale == 0.0
+    with pytest.raises(ValueError, match="deadline_scale"):
+        SchedulerConfig(max_model_len=8, deadline_scale=-1.0)
+    with pytest.raises(ValueError, match="scheduling_deadline_scale"):
+        EngineConfig(model="/nowhere", device="cpu", scheduling_deadline_scale=-1.0)
 
 
 # -- random workloads under the new policies -------------------------------------------------

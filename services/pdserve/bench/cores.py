@@ -3,10 +3,12 @@ router, prefill, decode or colocated workers), the benchmark itself (load genera
 client), the rest of the machine, and what stayed idle.
 
 That split is the physical bound a rate's latencies sit under: a worker runs its engine on
-`--threads` torch threads, so a role near that many cores is saturated (its queue, not its
-placement, sets its requests' latency from there on), and a machine with no idle core left
-has no rate above it for any shape. On two cores, a 1-prefill 1-decode cluster can fail its
-SLOs with its prefill worker half idle, because its decode worker is not.
+`--threads` torch threads, so a role near that many cores per worker is saturated (its
+queue, not its placement, sets its requests' latency from there on), and a machine with no
+idle core left has no rate above it for any shape. The figures are averages over each
+run's whole window, its drain and lulls included: a role well below its threads may still
+have been saturated while its queue built up (on a 2-core VM, a prefill worker at 0.68
+cores over a 4 req/s run had its engine thread running 0.91 of the time mid-run).
 """
 
 from __future__ import annotations

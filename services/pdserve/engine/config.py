@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.scheduling import DEFAULT_AGING, SchedulingPolicy
+from pdserve.engine.scheduler import SchedulerConfig
+from pdserve.engine.scheduling import DEFAULT_AGING, DEFAULT_DEADLINE_SCALE, SchedulingPolicy
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -69,6 +70,14 @@ class EngineConfig:
             "per token the engine computes (higher: closer to arrival order)"
         },
     )
+    scheduling_deadline_scale: float = field(
+        default=DEFAULT_DEADLINE_SCALE,
+        metadata={
+            "help": "least_work: a prompt whose wait and remaining prefill, in tokens of "
+            "the engine's work, pass this many times its own length (a step's budget at "
+            "least) is late and goes behind the prompts still on time (0: off)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -82,12 +91,28 @@ class EngineConfig:
         self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)
         if self.scheduling_aging <= 0:
             raise ValueError(f"scheduling_aging must be > 0, got {self.scheduling_aging}")
+        if self.scheduling_deadline_scale < 0:
+            raise ValueError(
+                f"scheduling_deadline_scale must be >= 0, got {self.scheduling_deadline_scale}"
+            )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("num_kv_blocks", "kv_cache_bytes", "max_model_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's share of this config, for a context of `max_model_len`."""
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            policy=self.scheduling_policy,
+            aging=self.scheduling_aging,
+            deadline_scale=self.scheduling_deadline_scale,
+        )
 
     @property
     def torch_dtype(self):

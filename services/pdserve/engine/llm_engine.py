@@ -25,7 +25,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.outputs import OutputProcessor, RequestOutput
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import Sampler
-from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.scheduler import Scheduler, SchedulerOutput
 from pdserve.engine.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
@@ -75,17 +75,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                policy=config.scheduling_policy,
-                aging=config.scheduling_aging,
-            ),
-            self.block_manager,
-        )
+        self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.block_manager)
         self._default_generator = torch.Generator(self.device).manual_seed(config.seed)
         self.runner = ModelRunner(model, self.kv_cache, Sampler(self._default_generator))
         self.outputs = OutputProcessor(self.tokenizer)

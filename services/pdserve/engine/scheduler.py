@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.scheduling import DEFAULT_AGING, SchedulingPolicy, remaining_prefill_tokens
+from pdserve.engine.scheduling import (
+    DEADLINE_PENALTY_TOKENS,
+    DEFAULT_AGING,
+    Ordering,
+    SchedulingPolicy,
+    remaining_prefill_tokens,
+)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -32,11 +38,16 @@ class SchedulerConfig:
     # module's own tests pin; engines take theirs from EngineConfig (LEAST_WORK there).
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
     aging: float = DEFAULT_AGING  # LEAST_WORK: remaining work taken off per token computed
+    # LEAST_WORK: late prompts go behind on-time ones (engine/scheduling.py); 0: off
+    deadline_scale: float = 0.0
+    deadline_penalty: int = DEADLINE_PENALTY_TOKENS  # what a late prompt's key grows by
 
     def __post_init__(self) -> None:
         self.policy = SchedulingPolicy(self.policy)
         if self.aging <= 0:
             raise ValueError(f"aging must be > 0, got {self.aging}")
+        if self.deadline_scale < 0:
+            raise ValueError(f"deadline_scale must be >= 0, got {self.deadline_scale}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -270,9 +281,18 @@ class Scheduler:
         preempted (blocks are short: the running requests drain first); requests partway
         through a chunked prefill go on in their turn either way.
         """
-        policy, aging = self.config.policy, self.config.aging
+        config = self.config
+        ordering = Ordering(
+            config.aging,
+            config.deadline_scale,
+            config.max_num_batched_tokens,
+            config.deadline_penalty,
+            self.num_scheduled_tokens,
+        )
         prefilling = [r for r in self.running if r.request_id not in planned]
-        candidates = sorted([*prefilling, *self.waiting], key=lambda r: policy.key(r, aging))
+        candidates = sorted(
+            [*prefilling, *self.waiting], key=lambda r: config.policy.key(r, ordering)
+        )
         admitting = not output.preempted_request_ids
         for request in candidates:
             if budget <= 0:

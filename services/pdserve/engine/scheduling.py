@@ -28,6 +28,26 @@ prefill alike, in the order of their policy key (smallest first):
   (a lower priority value always goes first), and as long as it is not preempted (a
   preempted request recomputes from scratch, so its remaining work grows again).
 
+**Deadlines.** With a deadline scale `d` (the engine's `scheduling_deadline_scale`, 0:
+off), LEAST_WORK also tells prompts that can still get their first token in time from
+those that cannot, on the same clock of work:
+
+      late = (work_now - work_at_arrival) + remaining  >  d * max(prompt tokens, budget)
+
+(the work the engine has done since the prompt arrived, and what it still needs, against
+`d` times its own prefill: a relative TTFT target in DistServe's style, a step's token
+budget at least). Only a prompt not started yet can be late. A late prompt's key grows
+by a penalty `P` (DEADLINE_PENALTY_TOKENS), so it yields to the prompts still on time.
+Without that, when a pool falls behind, its prompts share it until every one of them is
+late; with it, the ones that can still make their target do, and the late ones, whose
+target is lost whatever happens, go after them (docs/benchmarks.md, issue 16, has what
+that did to the mixed workload's long prompts on one prefill worker). A waiting prompt
+that is late stays late until it starts (its wait only grows), and the bound stays a
+bound: a late prompt is overtaken by no request arriving after the engine has computed
+`(R + P) / aging` more tokens. The clock counts decode tokens too, which
+cost a decode worker more time each than a prompt's: there a deadline comes a little
+late.
+
 The remaining work ignores prefix-cache hits a waiting request would get (looking them up
 costs a hash walk per waiting request per step); a hit only makes a prompt shorter than
 its key says.
@@ -37,10 +57,17 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from pdserve.engine.request import Request
 
 DEFAULT_AGING = 0.25
+# A prompt is late once the engine's work since its arrival plus its own remaining work
+# passes this many times its prompt (LEAST_WORK's deadlines; engines default to it).
+DEFAULT_DEADLINE_SCALE = 2.0
+# What a late prompt's key grows by: it goes behind every on-time prompt of up to this
+# many tokens that arrived within DEADLINE_PENALTY_TOKENS / aging tokens of work of it.
+DEADLINE_PENALTY_TOKENS = 16_384
 
 
 class SchedulingPolicy(enum.StrEnum):
@@ -50,10 +77,32 @@ class SchedulingPolicy(enum.StrEnum):
     PRIORITY = "priority"
     LEAST_WORK = "least_work"
 
-    def key(self, request: Request, aging: float) -> tuple:
+    def key(self, request: Request, ordering: Ordering) -> tuple:
         """The request's place in the order: smallest first; ties cannot happen (the
         arrival index is unique)."""
-        return _KEYS[self](request, aging)
+        return _KEYS[self](request, ordering)
+
+
+@dataclass(frozen=True, slots=True)
+class Ordering:
+    """What LEAST_WORK's keys read besides the request, for one step's order."""
+
+    aging: float = DEFAULT_AGING
+    deadline_scale: float = 0.0  # 0: no deadlines
+    min_deadline_tokens: int = 0  # a prompt's deadline is for at least this much work
+    deadline_penalty: int = DEADLINE_PENALTY_TOKENS  # what a late prompt's key grows by
+    work_now: int = 0  # tokens the engine has computed so far (the clock of work)
+
+    def is_late(self, request: Request) -> bool:
+        """Whether the prompt, not started yet, can no longer get its first token within
+        its deadline. One partway through its prefill, or with tokens out already (back
+        from a preemption), is never late: pausing it would hold its blocks, and a KV
+        push or a stream it has begun, for the sake of prompts that need more work."""
+        if not self.deadline_scale or request.num_computed_tokens or request.num_output_tokens:
+            return False
+        waited = self.work_now - request.work_at_arrival
+        allowed = self.deadline_scale * max(request.num_prompt_tokens, self.min_deadline_tokens)
+        return waited + remaining_prefill_tokens(request) > allowed
 
 
 def remaining_prefill_tokens(request: Request) -> int:
@@ -61,20 +110,22 @@ def remaining_prefill_tokens(request: Request) -> int:
     return request.num_tokens - request.num_computed_tokens
 
 
-def _fcfs(request: Request, aging: float) -> tuple:
+def _fcfs(request: Request, ordering: Ordering) -> tuple:
     return (request.arrival_index,)
 
 
-def _priority(request: Request, aging: float) -> tuple:
+def _priority(request: Request, ordering: Ordering) -> tuple:
     return (request.priority, request.arrival_index)
 
 
-def _least_work(request: Request, aging: float) -> tuple:
-    aged = remaining_prefill_tokens(request) + aging * request.work_at_arrival
+def _least_work(request: Request, ordering: Ordering) -> tuple:
+    aged = remaining_prefill_tokens(request) + ordering.aging * request.work_at_arrival
+    if ordering.is_late(request):
+        aged += ordering.deadline_penalty
     return (request.priority, aged, request.arrival_index)
 
 
-_KEYS: dict[SchedulingPolicy, Callable[[Request, float], tuple]] = {
+_KEYS: dict[SchedulingPolicy, Callable[[Request, Ordering], tuple]] = {
     SchedulingPolicy.FCFS: _fcfs,
     SchedulingPolicy.PRIORITY: _priority,
     SchedulingPolicy.LEAST_WORK: _least_work,
