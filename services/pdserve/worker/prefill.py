@@ -42,7 +42,7 @@ PREFILL_ID_SUFFIX = "/prefill"
 RENEWALS_PER_TTL = 3
 RENEW_RETRY_S = 0.5
 RENEW_TIMEOUT_S = 5.0
-PUSH_THREAD = "kv-push"  # the name of each push's own thread (`on_own_thread`)
+PUSH_THREAD = "kv-push"  # each push's own thread (`on_own_thread`), feeding the pusher's loop
 T = TypeVar("T")
 
 
