@@ -422,13 +422,14 @@ def test_a_cpu_sample_splits_a_window_into_groups_this_process_and_the_rest():
         [sys.executable, "-c", "import sys; sys.stdin.read()\n" + spin], stdin=subprocess.PIPE
     )
     try:
-        before = CpuSample.take({"spinner": (child.pid,)})
+        pids = {"spinner": (child.pid,), OWN: (os.getpid(),)}
+        before = CpuSample.take(pids)
         child.stdin.close()  # now it spins 0.4 s, then exits: sample while it is alive
         end = time.process_time() + 0.2
         while time.process_time() < end:  # this process busy too, meanwhile
             pass
         time.sleep(0.4)
-        after = CpuSample.take({"spinner": (child.pid,)})
+        after = CpuSample.take(pids)
     finally:
         child.wait(10)
     used = after.seconds_since(before)

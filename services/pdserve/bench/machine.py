@@ -12,13 +12,14 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-# `CpuSample.seconds_since`'s names for this process and for everything else on the machine
+# The name `pdserve bench` gives its own process, and `CpuSample.seconds_since` everything
+# else on the machine
 OWN, REST = "bench itself", "rest of machine"
 CPU_QUOTA_PERIOD_US = 100_000
 MIN_CPU_QUOTA_US = 1000  # the kernel refuses a smaller quota
@@ -98,30 +99,36 @@ def cpu_seconds(pids: Sequence[int]) -> float:
 
 @dataclass(frozen=True, slots=True)
 class CpuSample:
-    """CPU-seconds used so far by named groups of processes, by this process, and by the
-    whole machine (None without /proc/stat), at one instant: two samples give a window's
-    split of the machine (`CpuSample.seconds_since`)."""
+    """CPU-seconds used so far by named groups of processes and by the whole machine (None
+    without /proc/stat), at one instant: two samples give a window's split of the machine
+    (`CpuSample.seconds_since`)."""
 
     groups: dict[str, float]
-    own_s: float
     machine_s: float | None
     at: float
 
     @classmethod
-    def take(cls, pids: Mapping[str, Sequence[int]]) -> CpuSample:
-        """Now, for `pids` by group name (ProcessLookupError if one has no /proc entry)."""
-        groups = {name: cpu_seconds(group) for name, group in pids.items()}
-        return cls(groups, time.process_time(), machine_busy_seconds(), time.perf_counter())
+    def take(
+        cls, pids: Mapping[str, Sequence[int]], read: Callable[[Sequence[int]], float] = cpu_seconds
+    ) -> CpuSample:
+        """Now, for `pids` by group name, each group read with `read` (by default
+        ProcessLookupError if one of its processes has no /proc entry)."""
+        groups = {name: read(group) for name, group in pids.items()}
+        return cls(groups, machine_busy_seconds(), time.perf_counter())
 
     def seconds_since(self, before: CpuSample) -> dict[str, float]:
-        """CPU-seconds each group, this process (OWN) and the rest of the machine (REST:
-        every other process, and the kernel's work for none of them) used between the
-        two samples; REST is left out without /proc/stat."""
+        """CPU-seconds each group and the rest of the machine (REST: every other process,
+        and the kernel's work for none of them) used between the two samples; REST is
+        left out without /proc/stat."""
         used = {name: s - before.groups[name] for name, s in self.groups.items()}
-        used[OWN] = self.own_s - before.own_s
         if self.machine_s is not None and before.machine_s is not None:
             used[REST] = max(0.0, self.machine_s - before.machine_s - sum(used.values()))
         return used
+
+
+def _cpu_seconds_or_zero(pids: Sequence[int]) -> float:
+    """What `cpu_seconds` says, a process without a /proc entry counting 0."""
+    return sum(process_cpu_seconds(pid) or 0.0 for pid in pids)
 
 
 def others_line(others_s: float | None, wall_s: float, noisy_share: float) -> str:
@@ -144,25 +151,20 @@ class CpuWindow:
     """
 
     def __init__(self, pids: dict[str, int]):
-        self.pids = pids
+        self.pids = {name: (pid,) for name, pid in pids.items()}
         self.cpu_s: dict[str, float] = {}
         self.others_s: float | None = None
         self.wall_s = 0.0
 
     def __enter__(self) -> CpuWindow:
-        self._begin = self._sample()
+        self._begin = CpuSample.take(self.pids, _cpu_seconds_or_zero)
         return self
 
     def __exit__(self, *exc_info) -> None:
-        (busy0, own0, wall0), (busy1, own1, wall1) = self._begin, self._sample()
-        self.wall_s = wall1 - wall0
-        self.cpu_s = {name: own1[name] - own0[name] for name in self.pids}
-        if busy0 is not None and busy1 is not None:
-            self.others_s = max(0.0, busy1 - busy0 - sum(self.cpu_s.values()))
-
-    def _sample(self) -> tuple[float | None, dict[str, float], float]:
-        own = {name: process_cpu_seconds(pid) or 0.0 for name, pid in self.pids.items()}
-        return machine_busy_seconds(), own, time.perf_counter()
+        end = CpuSample.take(self.pids, _cpu_seconds_or_zero)
+        self.cpu_s = end.seconds_since(self._begin)
+        self.others_s = self.cpu_s.pop(REST, None)
+        self.wall_s = end.at - self._begin.at
 
     def others_line(self, noisy_share: float) -> str:
         return others_line(self.others_s, self.wall_s, noisy_share)

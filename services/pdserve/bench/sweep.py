@@ -9,6 +9,7 @@ i-th runs of all targets send the same requests next to each other.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import statistics
 from collections.abc import Callable, Mapping
@@ -19,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pdserve.bench.loadgen import RequestResult, run_plan
-from pdserve.bench.machine import CpuSample
+from pdserve.bench.machine import OWN, CpuSample
 from pdserve.bench.metrics import MS, summarize
 from pdserve.bench.report import ConfigRun, RateRun, Sweep, solo_text
 from pdserve.bench.workload import PlannedRequest, plan, sample_request
@@ -108,11 +109,12 @@ async def _run(
 ) -> None:
     """Send `planned` to `target` (`advance` called per request done); its requests and
     CPU time are added `into`."""
-    before = CpuSample.take(target.pids)
+    pids = {**target.pids, OWN: (os.getpid(),)}
+    before = CpuSample.take(pids)
     into.results += await run_plan(
         target.address, planned, drain_s, on_done=lambda r: advance(), **target.client_kwargs
     )
-    after = CpuSample.take(target.pids)
+    after = CpuSample.take(pids)
     for name, seconds in after.seconds_since(before).items():
         into.cpu_s[name] = into.cpu_s.get(name, 0.0) + seconds
     into.wall_s += after.at - before.at

@@ -58,6 +58,17 @@ class SchedulerConfig:
                 f" must be >= max_model_len ({self.max_model_len})"
             )
 
+    def ordering(self, work_now: int) -> Ordering:
+        """What the policy's keys read, the engine having computed `work_now` tokens; a
+        prompt's deadline is for a step's budget of work at least."""
+        return Ordering(
+            self.aging,
+            self.deadline_scale,
+            self.max_num_batched_tokens,
+            self.deadline_penalty,
+            work_now,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class ScheduledRequest:
@@ -281,18 +292,9 @@ class Scheduler:
         preempted (blocks are short: the running requests drain first); requests partway
         through a chunked prefill go on in their turn either way.
         """
-        config = self.config
-        ordering = Ordering(
-            config.aging,
-            config.deadline_scale,
-            config.max_num_batched_tokens,
-            config.deadline_penalty,
-            self.num_scheduled_tokens,
-        )
+        policy, ordering = self.config.policy, self.config.ordering(self.num_scheduled_tokens)
         prefilling = [r for r in self.running if r.request_id not in planned]
-        candidates = sorted(
-            [*prefilling, *self.waiting], key=lambda r: config.policy.key(r, ordering)
-        )
+        candidates = sorted([*prefilling, *self.waiting], key=lambda r: policy.key(r, ordering))
         admitting = not output.preempted_request_ids
         for request in candidates:
             if budget <= 0:
