@@ -346,6 +346,17 @@ def test_ttft_slo_scale_makes_a_relative_slo_whose_floor_is_ttft_slo_ms():
     assert (absolute.ttft_scale, absolute.ttft_ms) == (None, 2000)
 
 
+def test_send_ttft_slo_gives_each_request_its_kinds_bound_in_whole_ms():
+    from pdserve.commands.bench import BenchConfig
+
+    router = ["--router", "127.0.0.1:1"]
+    kept = BenchConfig.from_args(bench_args(*router, "--ttft-slo-scale", "3")).slo
+    assert not kept.sent and kept.ttft_ms_sent("long") == 0  # the servers are not told
+    sent = BenchConfig.from_args(bench_args(*router, "--ttft-slo-scale", "3", "--send-ttft-slo"))
+    slo = sent.slo.calibrated({"long": {"ttft_ms": 633.4}, "short": {"ttft_ms": 20.0}})
+    assert (slo.ttft_ms_sent("long"), slo.ttft_ms_sent("short")) == (1900, 200)
+
+
 def test_a_shape_listed_again_is_measured_under_a_name_and_a_log_folder_of_its_own():
     """An A/A run (`--compare colocated:2 colocated:2`) measures two identical clusters:
     the spread a ratio between shapes sits in on the machine."""
@@ -510,6 +521,7 @@ def test_a_tiny_sweep_writes_results_that_add_up(demo_model_dir, tmp_path, monke
         "500",
         "--tpot-slo-ms",
         "100",
+        "--send-ttft-slo",
         "--out",
         str(out),
     )
@@ -542,8 +554,10 @@ def test_a_tiny_sweep_writes_results_that_add_up(demo_model_dir, tmp_path, monke
             assert stats["p50"] <= stats["p90"] <= stats["p99"] <= stats["max"]
         assert 0 <= s["slo_attainment"] <= 1
     assert data["repeats"] == 2
+    assert data["slo"]["sent"] is True and data["command"].endswith(" --send-ttft-slo")
     text = (out / "custom.md").read_text()
     assert "colocated:1" in text
+    assert "TTFT <= 500 ms (sent with each request)" in text
     assert f"| req/s | colocated | router | {OWN} | {REST} | idle (of {os.cpu_count()}) |" in text
     for figure in ("custom-cdf.png", "custom-vs-rate.png", "custom-timeline.png"):
         data = (out / figure).read_bytes()

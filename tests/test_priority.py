@@ -1,5 +1,6 @@
-"""A request's priority (lower runs first, as vLLM's): from the public API and the OpenAI
-body through the router to the prefill worker's scheduler, on a real cluster."""
+"""A request's priority (lower runs first, as vLLM's) and its client's TTFT target: from
+the public API, the Python client and the OpenAI body or header through the router to the
+prefill worker's scheduler, on a real cluster."""
 
 from __future__ import annotations
 
@@ -7,14 +8,17 @@ import asyncio
 import time
 
 import grpc
+import openai
 import pytest
 from pydantic import ValidationError
 
 from pdserve.api.v1 import decode_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+from pdserve.client import AsyncClient
 from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.gateways.openai.convert import completion_requests
+from pdserve.gateways.openai.convert import completion_requests, ttft_slo_ms_from_header
+from pdserve.gateways.openai.errors import OpenAIError
 from pdserve.gateways.openai.protocol import CompletionRequest
 from pdserve.rpc.wire import sampling_params_to_proto
 
@@ -29,6 +33,29 @@ def test_the_engine_keeps_the_priority_a_request_was_added_with(demo_model_dir):
 
     assert engine.scheduler.get_request(urgent).priority == -3
     assert engine.scheduler.get_request(usual).priority == 0
+
+
+def test_the_engine_keeps_a_ttft_deadline_and_times_its_steps(demo_model_dir):
+    engine = LLMEngine.from_pretrained(demo_model_dir, num_kv_blocks=16, block_size=4)
+    timed = engine.add_request([5, 6, 7], SamplingParams(max_tokens=1), ttft_deadline=12.5)
+    assert engine.scheduler.get_request(timed).ttft_deadline == 12.5
+    assert engine.scheduler.pace.seconds_per_token == 0.0
+    engine.step()
+    assert engine.scheduler.pace.seconds_per_token > 0.0
+
+
+@pytest.mark.parametrize("value", ["-5", "1.5", "soon", "4294967296", "", "²"])
+def test_a_ttft_slo_header_that_is_not_whole_milliseconds_is_a_400_naming_it(value):
+    with pytest.raises(OpenAIError, match="x-slo-ttft-ms") as raised:
+        ttft_slo_ms_from_header(value)
+    assert raised.value.param == "x-slo-ttft-ms"
+    assert raised.value.kind.status == 400
+
+
+def test_a_ttft_slo_header_is_whole_milliseconds_and_none_is_no_target():
+    assert ttft_slo_ms_from_header(None) == 0
+    assert ttft_slo_ms_from_header(" 250 ") == 250
+    assert ttft_slo_ms_from_header("4294967295") == 2**32 - 1
 
 
 def test_the_openai_body_takes_vllms_priority_field_within_an_int32():
@@ -48,6 +75,7 @@ def cluster(demo_model_dir, tmp_path_factory):
         run_dir=tmp_path_factory.mktemp("priority"),
         worker_args=["--max-num-batched-tokens", str(STEP_TOKENS)],
         router_args=["--colocate-below", "1"],  # no prompt is shorter: all go remote
+        http_port=0,
     ) as started:
         yield started
 
@@ -93,3 +121,49 @@ async def test_a_lower_priority_value_gets_its_first_token_before_earlier_prompt
 
     # Without the priority the least-work order would put it last: same length, later.
     assert urgent < min(usual)
+
+
+def long_prompt(first_id: int) -> list[int]:
+    return [3 + (first_id + i) % 1000 for i in range(PROMPT_TOKENS)]  # within the vocabulary
+
+
+async def first_token_over_http(cluster, first_id: int, ttft_slo_ms: int) -> float:
+    """The OpenAI API's streamed completion, with the `x-slo-ttft-ms` header."""
+    async with openai.AsyncOpenAI(base_url=cluster.openai_url, api_key="unused") as client:
+        [model] = (await client.models.list()).data
+        chunks = await client.completions.create(
+            model=model.id,
+            prompt=long_prompt(first_id),
+            max_tokens=2,
+            stream=True,
+            extra_headers={"x-slo-ttft-ms": str(ttft_slo_ms)},
+            extra_body={"ignore_eos": True},
+        )
+        async for _ in chunks:
+            return time.monotonic()
+    raise AssertionError("no token")
+
+
+async def first_token_from_client(cluster, first_id: int, ttft_slo_ms: int) -> float:
+    """The Python client's stream, with its `ttft_slo_ms`."""
+    async with AsyncClient(cluster.router_address, timeout=60) as client:
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        async for _ in client.stream(long_prompt(first_id), params, ttft_slo_ms=ttft_slo_ms):
+            return time.monotonic()
+    raise AssertionError("no token")
+
+
+@pytest.mark.parametrize(
+    ("send_late", "first_id"), [(first_token_over_http, 20), (first_token_from_client, 40)]
+)
+async def test_a_prompt_that_cannot_make_its_ttft_target_yields_to_one_that_can(
+    cluster, send_late, first_id
+):
+    """The first prompt's target (1 ms) is lost the moment it arrives; it starts alone,
+    then pauses when a prompt of the same length that can make its target arrives.
+    Without targets the least-work order would keep the first going: it has less left.
+    (Prompts no other test sends: a prefix-cache hit would make one instant.)"""
+    late = asyncio.create_task(send_late(cluster, first_id, ttft_slo_ms=1))
+    await on_the_prefill_worker(cluster, 1)
+    on_time = await first_token_from_client(cluster, first_id + 300, ttft_slo_ms=60_000)
+    assert on_time < await late

@@ -14,7 +14,7 @@ from test_scheduler import RandomWorkload, make_request, make_scheduler, plan, s
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.scheduler import SchedulerConfig
-from pdserve.engine.scheduling import Ordering, SchedulingPolicy
+from pdserve.engine.scheduling import Ordering, Pace, SchedulingPolicy
 
 FCFS, PRIORITY, LEAST_WORK = (
     SchedulingPolicy.FCFS,
@@ -248,6 +248,65 @@ def test_with_deadlines_no_request_arriving_after_r_plus_penalty_over_aging_goes
         output, _ = step(scheduler)
         if long.num_computed_tokens < long_len:
             assert not late & {s.request.request_id for s in output.scheduled}
+
+
+# -- clients' TTFT targets: deadlines on the wall clock ----------------------------------------
+
+
+def test_a_prompt_with_a_ttft_target_is_late_once_its_remaining_work_cannot_make_it():
+    """At 125 ms a token, 16 tokens take 2 s: from 8.0 they end at 10.0. The target is
+    the client's whatever the deadline scale (0 here), and a started prompt can be late."""
+    ordering = Ordering(now=8.0, seconds_per_token=0.125)
+    request = make_request("r", range(16))
+    request.ttft_deadline = 10.0
+    assert not ordering.is_late(request)  # just in time
+    request.ttft_deadline = 9.875
+    assert ordering.is_late(request)
+    request.num_computed_tokens = 8  # started, 8 left: 9.0
+    assert not ordering.is_late(request)
+    assert dataclasses.replace(ordering, now=9.0).is_late(request)  # 10.0 > 9.875
+    request.append_output_token(7)  # a token out (back from a preemption): never late
+    assert not dataclasses.replace(ordering, now=100.0).is_late(request)
+
+
+def test_before_any_step_a_ttft_target_counts_the_wait_alone():
+    ordering = Ordering(now=5.0)  # no pace yet: 0 s a token
+    request = make_request("r", range(2048))
+    request.ttft_deadline = 5.0
+    assert not ordering.is_late(request)
+    assert dataclasses.replace(ordering, now=5.5).is_late(request)
+
+
+def test_the_pace_is_a_decayed_ratio_of_step_time_to_tokens():
+    pace = Pace(decay=0.5)
+    assert pace.seconds_per_token == 0.0
+    pace.record(100, 1.0)  # 10 ms a token
+    assert pace.seconds_per_token == pytest.approx(0.01)
+    pace.record(10, 1.0)  # a small, slow step weighs its tokens: (0.5 + 1) / (50 + 10)
+    assert pace.seconds_per_token == pytest.approx(1.5 / 60)
+
+
+LATE_A = [("b", 0, 8), ("b", 8, 8), ("a", 8, 8)]
+A_GOES_ON = [("a", 8, 8), ("b", 0, 8), ("b", 8, 8)]
+
+
+@pytest.mark.parametrize(("target", "plans"), [(2.0, LATE_A), (0.0, A_GOES_ON)])
+def test_a_started_prompt_that_cannot_make_its_target_pauses_for_one_that_can(target, plans):
+    """`a` (16 tokens, 125 ms each) starts with a target it just makes; the step then
+    takes 1.5 s instead of 1, so its 8 tokens left end at 2.5 s: late. `b` arrives with a
+    far target and goes first. Without a target `a`, aged longer and shorter, goes on."""
+    scheduler = scheduler_with(LEAST_WORK, max_num_batched_tokens=8)
+    now = 0.0
+    scheduler.clock = lambda: now
+    scheduler.pace.record(8, 1.0)
+    a = add(scheduler, "a", 16, max_tokens=1)
+    a.ttft_deadline = target
+    assert plan(step(scheduler)[0]) == [("a", 0, 8)]
+    now = 1.5
+    b = add(scheduler, "b", 16, max_tokens=1)
+    b.ttft_deadline = 100.0
+
+    assert [plan(step(scheduler)[0]) for _ in plans] == [[p] for p in plans]
 
 
 def test_engines_have_deadlines_on_and_the_scale_must_not_be_negative():

@@ -23,27 +23,29 @@ own, in a thread of its own, and waits for each call.
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import threading
 import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import TypeVar
 
 import grpc
 from opentelemetry import propagate
 
 from pdserve.api.v1 import router_pb2, router_pb2_grpc
+from pdserve.client_blocking import blocking, blocking_iter
 from pdserve.client_failover import (
     DEFAULT_MAX_RECONNECTS,
     RECONNECT_CODES,
     PdserveError,
     ended_unfinished,
     gave_up,
+    open_channel,
     parse_addresses,
     reconnect_wait,
+    time_left,
 )
 from pdserve.core.responses import Chunk, Completion, ModelInfo, RequestInfo, Usage
 from pdserve.core.sampling_params import SamplingParams
@@ -69,7 +71,6 @@ __all__ = [
     "WorkerInfo",
 ]
 
-P = ParamSpec("P")
 T = TypeVar("T")
 # how long an interrupted call may take to cancel before the interrupt goes on anyway
 CANCEL_WAIT_S = 5.0
@@ -109,7 +110,7 @@ class AsyncClient:
         self.timeout = timeout
         self.max_reconnects = max_reconnects
         self._auth = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        self._channels = [_channel(a, credentials, options) for a in self.addresses]
+        self._channels = [open_channel(a, credentials, options) for a in self.addresses]
         self._stubs = [router_pb2_grpc.RouterStub(channel) for channel in self._channels]
         self._current = 0  # the router that answered last
         self.num_reconnects = 0  # calls made again (on another router), since creation
@@ -149,15 +150,20 @@ class AsyncClient:
         *,
         request_id: str | None = None,
         resume_from: int | None = None,
+        priority: int = 0,
+        ttft_slo_ms: int = 0,
     ) -> Completion:
         """The whole completion (from `resume_from` on), collected from the stream, which
         rides over a router's death as `stream` does."""
-        chunks = [
-            chunk
-            async for chunk in self.stream(
-                prompt, params, request_id=request_id, resume_from=resume_from
-            )
-        ]
+        stream = self.stream(
+            prompt,
+            params,
+            request_id=request_id,
+            resume_from=resume_from,
+            priority=priority,
+            ttft_slo_ms=ttft_slo_ms,
+        )
+        chunks = [chunk async for chunk in stream]
         return Completion.from_chunks(chunks)
 
     async def stream(
@@ -167,21 +173,31 @@ class AsyncClient:
         *,
         request_id: str | None = None,
         resume_from: int | None = None,
+        priority: int = 0,
+        ttft_slo_ms: int = 0,
     ) -> AsyncIterator[Chunk]:
         """Chunks as the router streams them, resumed on the next router if one dies or
-        ends it unfinished (module docstring). Leaving the loop early cancels the request."""
+        ends it unfinished (module docstring). Leaving the loop early cancels the request.
+        `priority`: lower runs first; `ttft_slo_ms`: the time to the first token this
+        client wants, 0: none (workers put the prompts that can still make it first)."""
         request_id = request_id or uuid.uuid4().hex  # what a reconnect resumes
         position, deadline = resume_from, self._deadline()
         failures: list[tuple[str, PdserveError]] = []
         index = self._current
         while True:
             request = generate_request_to_proto(
-                prompt, params, request_id=request_id, resume_from=position, stream=True
+                prompt,
+                params,
+                request_id=request_id,
+                resume_from=position,
+                stream=True,
+                priority=priority,
+                ttft_slo_ms=ttft_slo_ms,
             )
             address, call = self.addresses[index], None
             try:
                 call = self._stubs[index].Generate(
-                    request, timeout=_time_left(deadline), metadata=self._metadata()
+                    request, timeout=time_left(deadline), metadata=self._metadata()
                 )
                 chunk = None
                 async for message in call:
@@ -245,53 +261,12 @@ class AsyncClient:
             address = self.addresses[index]
             try:
                 call = method(self._stubs[index])
-                return await call(request, timeout=_time_left(deadline), metadata=self._metadata())
+                return await call(request, timeout=time_left(deadline), metadata=self._metadata())
             except grpc.RpcError as error:
                 if error.code() not in RECONNECT_CODES:
                     raise PdserveError.from_rpc_error(error) from error
                 failures.append((address, PdserveError.from_rpc_error(error)))
             index = await self._next_router(failures, deadline, index)
-
-
-def _channel(address: str, credentials: grpc.ChannelCredentials | None, options):
-    if credentials is None:
-        return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, credentials, options=options)
-
-
-def _time_left(deadline: float | None) -> float | None:
-    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
-
-
-def _blocking(
-    method: Callable[Concatenate[AsyncClient, P], Awaitable[T]],
-) -> Callable[Concatenate[Client, P], T]:
-    """`Client`'s version of an `AsyncClient` coroutine method: the same call, waited for."""
-
-    def call(self: Client, *args: P.args, **kwargs: P.kwargs) -> T:
-        return self._wait(method(self._client, *args, **kwargs))
-
-    return _client_method(call, method)
-
-
-def _blocking_iter(
-    method: Callable[Concatenate[AsyncClient, P], AsyncIterator[T]],
-) -> Callable[Concatenate[Client, P], Iterator[T]]:
-    """`Client`'s version of an `AsyncClient` async generator method: a plain iterator."""
-
-    def iterate(self: Client, *args: P.args, **kwargs: P.kwargs) -> Iterator[T]:
-        return self._iterate(method(self._client, *args, **kwargs))
-
-    return _client_method(iterate, method, returns="Iterator[Chunk]")
-
-
-def _client_method(wrapper: Callable, method: Callable, returns: str | None = None) -> Callable:
-    """Give `wrapper` the name, docstring and signature of `method`, as a `Client` method."""
-    functools.update_wrapper(wrapper, method)
-    wrapper.__qualname__ = f"Client.{method.__name__}"
-    if returns is not None:
-        wrapper.__signature__ = inspect.signature(method).replace(return_annotation=returns)
-    return wrapper
 
 
 class Client:
@@ -333,14 +308,14 @@ class Client:
         """The router the next call goes to (the one that answered last)."""
         return self._client.current_address
 
-    generate = _blocking(AsyncClient.generate)
-    stream = _blocking_iter(AsyncClient.stream)
-    cancel = _blocking(AsyncClient.cancel)
-    get_request = _blocking(AsyncClient.get_request)
-    list_workers = _blocking(AsyncClient.list_workers)
-    tokenize = _blocking(AsyncClient.tokenize)
-    detokenize = _blocking(AsyncClient.detokenize)
-    model_info = _blocking(AsyncClient.model_info)
+    generate = blocking(AsyncClient.generate)
+    stream = blocking_iter(AsyncClient.stream)
+    cancel = blocking(AsyncClient.cancel)
+    get_request = blocking(AsyncClient.get_request)
+    list_workers = blocking(AsyncClient.list_workers)
+    tokenize = blocking(AsyncClient.tokenize)
+    detokenize = blocking(AsyncClient.detokenize)
+    model_info = blocking(AsyncClient.model_info)
 
     def close(self) -> None:
         """Close the channel (ending open streams) and stop the loop thread; idempotent."""

@@ -8,6 +8,7 @@ that used them all names every try.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -22,6 +23,20 @@ RECONNECT_BACKOFF_S = 0.1
 RECONNECT_BACKOFF_MAX_S = 2.0
 # What a call fails with when its router is down or its connection broke: worth another.
 RECONNECT_CODES = frozenset({grpc.StatusCode.UNAVAILABLE})
+
+
+def open_channel(
+    address: str, credentials: grpc.ChannelCredentials | None, options
+) -> grpc.aio.Channel:
+    """A channel to one router: TLS with `credentials`, plaintext without."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+def time_left(deadline: float | None) -> float | None:
+    """Seconds to a call's `deadline` (time.monotonic()), none left at 0; None: no deadline."""
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
 def parse_addresses(addresses: str | Sequence[str]) -> list[str]:

@@ -65,7 +65,11 @@ class RequestResult:
 
 
 async def send_one(
-    client: AsyncClient, request: PlannedRequest, start: float, deadline: float
+    client: AsyncClient,
+    request: PlannedRequest,
+    start: float,
+    deadline: float,
+    ttft_slo_ms: Callable[[str], int] | None = None,
 ) -> RequestResult:
     """Stream one request; its times, or its error, never an exception."""
     sent = time.perf_counter()
@@ -81,7 +85,9 @@ async def send_one(
     params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
     try:
         async with asyncio.timeout_at(asyncio.get_running_loop().time() + deadline - sent):
-            async for chunk in client.stream(request.prompt_token_ids, params):
+            target = ttft_slo_ms(request.kind) if ttft_slo_ms is not None else 0
+            stream = client.stream(request.prompt_token_ids, params, ttft_slo_ms=target)
+            async for chunk in stream:
                 now = time.perf_counter() - sent
                 result.token_times.extend(now for _ in chunk.token_ids)
                 if chunk.timings is not None:
@@ -103,9 +109,11 @@ async def run_plan(
     *,
     credentials: grpc.ChannelCredentials | None = None,
     api_key: str | None = None,
+    ttft_slo_ms: Callable[[str], int] | None = None,
 ) -> list[RequestResult]:
     """Send the plan against a router (over TLS with `credentials`, with `api_key` as
-    `AsyncClient` takes them); results in plan order."""
+    `AsyncClient` takes them), each request with `ttft_slo_ms(kind)` as its TTFT target
+    (`GenerateRequest.ttft_slo_ms`; None: none); results in plan order."""
     async with AsyncClient(address, credentials=credentials, api_key=api_key) as client:
         start = time.perf_counter()
         deadline = start + (planned[-1].send_at if planned else 0.0) + drain_s
@@ -114,7 +122,7 @@ async def run_plan(
             delay = start + request.send_at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(send_one(client, request, start, deadline))
+            task = asyncio.create_task(send_one(client, request, start, deadline, ttft_slo_ms))
             task.add_done_callback(lambda t: t.cancelled() or on_done(t.result()))
             tasks.append(task)
         return list(await asyncio.gather(*tasks))

@@ -62,6 +62,9 @@ class SLO:
     tpot_ms: float
     ttft_scale: float | None = None
     solo_ttft_ms: Mapping[str, float] = field(default_factory=dict)  # kind -> median alone
+    # each request carries its TTFT bound (GenerateRequest.ttft_slo_ms), as a client that
+    # states its targets does (--send-ttft-slo); False: the servers do not know them
+    sent: bool = False
 
     def __post_init__(self) -> None:
         if self.ttft_ms <= 0 or self.tpot_ms <= 0:
@@ -78,6 +81,10 @@ class SLO:
         if self.ttft_scale is None or kind not in self.solo_ttft_ms:
             return self.ttft_ms
         return max(self.ttft_scale * self.solo_ttft_ms[kind], self.ttft_ms)
+
+    def ttft_ms_sent(self, kind: str) -> int:
+        """What a request of `kind` carries as its `ttft_slo_ms`: its bound, 0 if not sent."""
+        return max(1, round(self.ttft_ms_for(kind))) if self.sent else 0
 
     def calibrated(self, solo: Mapping[str, Mapping[str, float]]) -> SLO:
         """This SLO with each kind's median TTFT alone from a solo calibration

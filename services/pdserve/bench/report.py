@@ -370,10 +370,9 @@ def slo_grid(result: BenchResult) -> str:
 
 
 def _per_kind_text(slo: SLO) -> str:
-    if not slo.solo_ttft_ms:
-        return ""
-    bounds = ", ".join(f"{k} {slo.ttft_ms_for(k):.0f} ms" for k in slo.solo_ttft_ms)
-    return f" ({bounds})"
+    parts = [f"{k} {slo.ttft_ms_for(k):.0f} ms" for k in slo.solo_ttft_ms]
+    parts += ["sent with each request"] if slo.sent else []
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _pcts(stats: Stats) -> str:

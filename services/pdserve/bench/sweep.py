@@ -92,7 +92,7 @@ async def measure(
                     advance = partial(
                         progress.advance, progress.add_task(label, total=len(planned))
                     )
-                    await _run(targets[i], planned, sweep.drain_s, measured[i], advance)
+                    await _run(targets[i], planned, sweep, measured[i], advance)
                 turn += 1
             for c, m in zip(configs, measured, strict=True):
                 summary = summarize(rate, m.results, sweep.slo)
@@ -103,7 +103,7 @@ async def measure(
 async def _run(
     target: Target,
     planned: list[PlannedRequest],
-    drain_s: float,
+    sweep: Sweep,
     into: _Measured,
     advance: Callable[[], None],
 ) -> None:
@@ -112,7 +112,12 @@ async def _run(
     pids = {**target.pids, OWN: (os.getpid(),)}
     before = CpuSample.take(pids)
     into.results += await run_plan(
-        target.address, planned, drain_s, on_done=lambda r: advance(), **target.client_kwargs
+        target.address,
+        planned,
+        sweep.drain_s,
+        on_done=lambda r: advance(),
+        ttft_slo_ms=sweep.slo.ttft_ms_sent,
+        **target.client_kwargs,
     )
     after = CpuSample.take(pids)
     for name, seconds in after.seconds_since(before).items():

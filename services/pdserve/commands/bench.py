@@ -95,9 +95,9 @@ def _slo(args: argparse.Namespace) -> SLO:
     """The SLOs asked for; a relative TTFT bound is calibrated once the kinds ran alone."""
     if args.ttft_slo_scale is None:
         ttft_ms = DEFAULT_TTFT_SLO_MS if args.ttft_slo_ms is None else args.ttft_slo_ms
-        return SLO(ttft_ms, args.tpot_slo_ms)
+        return SLO(ttft_ms, args.tpot_slo_ms, sent=args.send_ttft_slo)
     floor = DEFAULT_TTFT_SLO_FLOOR_MS if args.ttft_slo_ms is None else args.ttft_slo_ms
-    return SLO(floor, args.tpot_slo_ms, ttft_scale=args.ttft_slo_scale)
+    return SLO(floor, args.tpot_slo_ms, ttft_scale=args.ttft_slo_scale, sent=args.send_ttft_slo)
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
@@ -191,6 +191,13 @@ def _add_slo_arguments(cmd: argparse.ArgumentParser) -> None:
         "calibration of the first cluster or router listed), at least --ttft-slo-ms",
     )
     cmd.add_argument("--tpot-slo-ms", type=float, default=200.0)
+    cmd.add_argument(
+        "--send-ttft-slo",
+        action="store_true",
+        help="each request carries its TTFT SLO (GenerateRequest.ttft_slo_ms), as a client "
+        "that states its targets does: the workers then put the prompts that can still "
+        "make theirs first (default: the servers are not told)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -339,4 +346,5 @@ def _command_line(args: argparse.Namespace, model: str) -> str:
     ):
         if value is not None:
             words += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    words += ["--send-ttft-slo"] if args.send_ttft_slo else []
     return shlex.join(words)

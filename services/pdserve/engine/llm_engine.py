@@ -103,16 +103,19 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
+        ttft_deadline: float = 0.0,
     ) -> str:
         """Queue a request (text or token ids); return its id. Raises InvalidRequestError.
 
         `priority`: lower runs first (see engine/scheduling.py); the default policy puts
-        it before the prompt's length.
+        it before the prompt's length. `ttft_deadline`: the time.monotonic() by which the
+        client wants its first token (0.0: none); the default policy puts the prompts
+        that can still make theirs first.
         """
         params = params if params is not None else SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         request = self._new_request(request_id, prompt, params)
-        request.priority = priority
+        request.priority, request.ttft_deadline = priority, ttft_deadline
         with self._state_lock:
             if self.scheduler.get_request(request_id) is not None:
                 raise InvalidRequestError("request_id", f"{request_id!r} is already running")
@@ -156,7 +159,9 @@ class LLMEngine:
         callback = None
         if on_layer_done is not None:
             callback = functools.partial(_call_with_plan, on_layer_done, plan)
+        started = time.monotonic()
         sampled, sampler_out = self.runner.execute(plan, callback)
+        self.scheduler.pace.record(plan.num_batched_tokens, time.monotonic() - started)
         tokens, logprobs = {}, {}
         if sampler_out is not None:
             for s, token, lp in zip(

@@ -57,6 +57,9 @@ class Request:
     num_preemptions: int = 0
     # lower runs first (the public API's `priority`, as in vLLM); see engine/scheduling.py
     priority: int = 0
+    # time.monotonic() by which the client wants its first token (its TTFT target, the
+    # public API's `ttft_slo_ms`); 0.0: none. See engine/scheduling.py, deadlines.
+    ttft_deadline: float = 0.0
     # set by the scheduler when the request is queued: its place in arrival order, and the
     # tokens the engine had computed by then (how long it has waited, in work: aging)
     arrival_index: int = 0

@@ -23,6 +23,7 @@ from pdserve.engine.scheduling import (
     DEADLINE_PENALTY_TOKENS,
     DEFAULT_AGING,
     Ordering,
+    Pace,
     SchedulingPolicy,
     remaining_prefill_tokens,
 )
@@ -58,15 +59,17 @@ class SchedulerConfig:
                 f" must be >= max_model_len ({self.max_model_len})"
             )
 
-    def ordering(self, work_now: int) -> Ordering:
-        """What the policy's keys read, the engine having computed `work_now` tokens; a
-        prompt's deadline is for a step's budget of work at least."""
+    def ordering(self, work_now: int, now: float = 0.0, pace: Pace | None = None) -> Ordering:
+        """What the policy's keys read, the engine having computed `work_now` tokens, at
+        `now` and going at `pace`; a prompt's deadline is for a step's budget at least."""
         return Ordering(
             self.aging,
             self.deadline_scale,
             self.max_num_batched_tokens,
             self.deadline_penalty,
             work_now,
+            now,
+            pace.seconds_per_token if pace is not None else 0.0,
         )
 
 
@@ -135,6 +138,8 @@ class Scheduler:
         self.num_preemptions = 0  # since the start, for metrics
         self.num_scheduled_tokens = 0  # every token planned since the start (aging's clock)
         self._num_arrivals = 0
+        self.pace = Pace()  # the engine records each step's time (clients' TTFT targets)
+        self.clock = time.monotonic  # what `now` is for those targets
 
     @property
     def num_waiting(self) -> int:
@@ -292,7 +297,8 @@ class Scheduler:
         preempted (blocks are short: the running requests drain first); requests partway
         through a chunked prefill go on in their turn either way.
         """
-        policy, ordering = self.config.policy, self.config.ordering(self.num_scheduled_tokens)
+        ordering = self.config.ordering(self.num_scheduled_tokens, self.clock(), self.pace)
+        policy = self.config.policy
         prefilling = [r for r in self.running if r.request_id not in planned]
         candidates = sorted([*prefilling, *self.waiting], key=lambda r: policy.key(r, ordering))
         admitting = not output.preempted_request_ids

@@ -48,6 +48,20 @@ bound: a late prompt is overtaken by no request arriving after the engine has co
 cost a decode worker more time each than a prompt's: there a deadline comes a little
 late.
 
+**Clients' TTFT targets.** A request may come with the client's own target for its first
+token (the public API's `ttft_slo_ms`, as llm-d's `x-slo-ttft-ms` header): a deadline
+on the wall clock, `ttft_deadline`. Such a request is late, whatever the deadline scale
+(0 included), once
+
+      now + remaining * seconds_per_token  >  ttft_deadline
+
+where `seconds_per_token` is the engine's recent pace (`Pace`: wall time per token
+computed, over the last steps). Unlike the relative deadline, the target is the one the
+client judges by, so a prompt partway through its prefill can be late too: it pauses,
+keeping its blocks (and the lease of a KV push it has begun, which its prefill worker
+renews), until the prompts that can still make their targets are done; only one with
+tokens out already is never late. The bound above holds for it too.
+
 The remaining work ignores prefix-cache hits a waiting request would get (looking them up
 costs a hash walk per waiting request per step); a hit only makes a prompt shorter than
 its key says.
@@ -65,6 +79,8 @@ DEFAULT_AGING = 0.25
 # A prompt is late once the engine's work since its arrival plus its own remaining work
 # passes this many times its prompt (LEAST_WORK's deadlines; engines default to it).
 DEFAULT_DEADLINE_SCALE = 2.0
+# How much each earlier step weighs in the engine's pace against the one after it.
+PACE_DECAY = 0.9
 # What a late prompt's key grows by: it goes behind every on-time prompt of up to this
 # many tokens that arrived within DEADLINE_PENALTY_TOKENS / aging tokens of work of it.
 DEADLINE_PENALTY_TOKENS = 16_384
@@ -92,17 +108,46 @@ class Ordering:
     min_deadline_tokens: int = 0  # a prompt's deadline is for at least this much work
     deadline_penalty: int = DEADLINE_PENALTY_TOKENS  # what a late prompt's key grows by
     work_now: int = 0  # tokens the engine has computed so far (the clock of work)
+    now: float = 0.0  # time.monotonic() as the step is planned (clients' TTFT targets)
+    seconds_per_token: float = 0.0  # the engine's recent pace (`Pace`)
 
     def is_late(self, request: Request) -> bool:
-        """Whether the prompt, not started yet, can no longer get its first token within
-        its deadline. One partway through its prefill, or with tokens out already (back
-        from a preemption), is never late: pausing it would hold its blocks, and a KV
-        push or a stream it has begun, for the sake of prompts that need more work."""
-        if not self.deadline_scale or request.num_computed_tokens or request.num_output_tokens:
+        """Whether the prompt can no longer get its first token within its deadline: its
+        client's TTFT target when it has one, else (not started yet) the relative one.
+        Without a client's target, one partway through its prefill is never late: pausing
+        it would hold its blocks, and a KV push it has begun, for a deadline of our own.
+        One with tokens out already (back from a preemption) is never late."""
+        if request.num_output_tokens:
+            return False
+        if request.ttft_deadline:
+            done_at = self.now + remaining_prefill_tokens(request) * self.seconds_per_token
+            return done_at > request.ttft_deadline
+        if not self.deadline_scale or request.num_computed_tokens:
             return False
         waited = self.work_now - request.work_at_arrival
         allowed = self.deadline_scale * max(request.num_prompt_tokens, self.min_deadline_tokens)
         return waited + remaining_prefill_tokens(request) > allowed
+
+
+class Pace:
+    """The engine's recent wall time per token computed: what a prompt's remaining work
+    will take, for clients' TTFT targets. A decayed ratio of sums over steps (each earlier
+    step weighs `decay` times the next), so a full step weighs more than a small one."""
+
+    def __init__(self, decay: float = PACE_DECAY):
+        self.decay = decay
+        self._seconds = 0.0
+        self._tokens = 0.0
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        """One step that computed `num_tokens` tokens in `seconds`."""
+        self._seconds = self.decay * self._seconds + seconds
+        self._tokens = self.decay * self._tokens + num_tokens
+
+    @property
+    def seconds_per_token(self) -> float:
+        """0.0 until a step has run: deadlines then count the wait alone."""
+        return self._seconds / self._tokens if self._tokens else 0.0
 
 
 def remaining_prefill_tokens(request: Request) -> int:

@@ -153,12 +153,15 @@ class Frontend:
         request_id = caller.scoped_id(request.request_id or uuid.uuid4().hex)
         offset = request.resume_from if request.HasField("resume_from") else 0
         deadline = None if timeout_s is None else received_at + timeout_s
+        ttft_deadline = received_at + request.ttft_slo_ms / 1000 if request.ttft_slo_ms else None
+        new_attempt = functools.partial(Attempt, request_id, prompt, deadline=deadline)
+        new_attempt = functools.partial(  # what each try needs but its sampling
+            new_attempt, priority=request.priority, ttft_deadline=ttft_deadline
+        )
 
         def take_over(lost: RequestRecord) -> RequestSession:  # its router died: run it here
             sampling = sampling_from_record(lost, request.sampling)
-            attempt = Attempt(
-                request_id, prompt, sampling, deadline=deadline, priority=request.priority
-            )
+            attempt = new_attempt(sampling)
             return self._session(attempt, digest, time.monotonic())
 
         replay = functools.partial(self._replay, request_id, digest=digest, offset=offset)
@@ -171,9 +174,7 @@ class Frontend:
             raise UnknownRequestError(request_id)
         async with self.admission.slot(request.priority):  # may wait in the queue
             sampling = retry_safe(request.sampling, params)
-            attempt = Attempt(
-                request_id, prompt, sampling, deadline=deadline, priority=request.priority
-            )
+            attempt = new_attempt(sampling)
             session = self._session(attempt, digest, received_at)
             if not await session.open(start_first=not request.request_id):
                 record = await self.store.get(request_id)  # another call won the race for the id

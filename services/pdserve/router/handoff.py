@@ -111,6 +111,8 @@ class Attempt:
     block_size: int = 0
     block_hashes: list[str] = field(default_factory=list)
     priority: int = 0  # the public request's: lower runs first on the workers
+    # time.monotonic() by which the client wants its first token (its `ttft_slo_ms`)
+    ttft_deadline: float | None = None
     # what failed in this request's attempts so far (one object for all of them)
     history: AttemptHistory = field(default_factory=AttemptHistory, compare=False, repr=False)
 
@@ -125,6 +127,13 @@ class Attempt:
     def num_blocks_needed(self) -> int:
         """KV blocks the request holds on its decode worker at its longest."""
         return num_blocks_for(len(self.prompt) + self.sampling.max_tokens, self.block_size)
+
+    def ttft_budget_ms(self) -> int:
+        """What is left of the client's TTFT target, for a worker call's `ttft_budget_ms`:
+        at least 1 ms (a target already missed is still one), 0 without a target."""
+        if self.ttft_deadline is None:
+            return 0
+        return max(1, round((self.ttft_deadline - time.monotonic()) * 1000))
 
     def time_left(self) -> float | None:
         """Seconds to the deadline (a call's timeout), None without one."""
@@ -273,6 +282,7 @@ class HandOff:
             sampling=attempt.sampling,
             target=target,
             priority=attempt.priority,
+            ttft_budget_ms=attempt.ttft_budget_ms(),
         )
         with tracing.span("prefill", attempt.request_id, kind=SpanKind.CLIENT) as span:
             span.set_attribute("pdserve.worker", prefill_address)
@@ -306,6 +316,7 @@ class HandOff:
             prompt_token_ids=attempt.prompt,
             sampling=attempt.sampling,
             priority=attempt.priority,
+            ttft_budget_ms=attempt.ttft_budget_ms(),
         )
         attach = decode_pb2.RelayAttach(
             stream_interval=self.stream_interval,

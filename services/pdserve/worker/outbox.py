@@ -28,7 +28,7 @@ from pdserve.core.errors import InvalidRequestError, LeaseNotFoundError
 from pdserve.engine.outputs import RequestOutput
 from pdserve.kv.lease import LeaseState
 from pdserve.rpc.wire import sampling_params_from_proto
-from pdserve.rpc.wire.worker import deltas_to_proto
+from pdserve.rpc.wire.worker import deltas_to_proto, ttft_deadline_from_proto
 from pdserve.telemetry import propagation, tracing
 from pdserve.worker.leases import AdmittedLease
 from pdserve.worker.worker import Worker
@@ -225,8 +225,11 @@ class Outbox:
         worker = self.worker
         prompt = list(request.prompt_token_ids)
         params = sampling_params_from_proto(request.sampling)
+        deadline = ttft_deadline_from_proto(request.ttft_budget_ms, time.monotonic())
         try:
-            sink = await worker.start_local(prompt, params, attached.request_id, request.priority)
+            sink = await worker.start_local(
+                prompt, params, attached.request_id, request.priority, deadline
+            )
         except Exception as exc:  # a refusal, or the engine's error: the request's last item
             if not attached.ended:
                 attached.on_item(exc)  # to its owner now (an orphan's, if its call broke)

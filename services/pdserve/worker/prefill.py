@@ -29,7 +29,11 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.kv.transfer import KVPusher, KVPushError, PushTotals
 from pdserve.rpc.errors import rpc_errors
 from pdserve.rpc.wire import sampling_params_from_proto
-from pdserve.rpc.wire.worker import prefill_response_to_proto, worker_load_to_proto
+from pdserve.rpc.wire.worker import (
+    prefill_response_to_proto,
+    ttft_deadline_from_proto,
+    worker_load_to_proto,
+)
 from pdserve.telemetry import metrics, propagation, tracing
 from pdserve.telemetry.metrics import TransferSide
 from pdserve.worker.decode_peers import DecodePeer, DecodePeers
@@ -205,6 +209,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         """Run the prompt and start its KV hand-off: the first token, and why the request
         ends with it (None: it goes on at the decode worker)."""
         worker = self.worker
+        ttft_deadline = ttft_deadline_from_proto(request.ttft_budget_ms, time.monotonic())
         # Its own id in this engine: on a `both` worker the decode side holds the
         # caller's request id for the same request (its lease).
         request_id = f"{request.request_id or uuid.uuid4().hex}{PREFILL_ID_SUFFIX}"
@@ -230,6 +235,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 request_id,
                 export,
                 request.priority,
+                ttft_deadline,
             )
             chunks = exported_chunks(export, worker.config.lease_ttl_s)
             pushing = push_kv(peer.pusher, lease_id, chunks, request_id=request.request_id)
@@ -248,9 +254,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         task.add_done_callback(self.transfers.discard)
         return first, reason
 
-    def _start(self, prompt, params, request_id, export, priority: int) -> None:
+    def _start(self, prompt, params, request_id, export, priority, ttft_deadline) -> None:
         """On the engine thread: queue the prompt and its layer-by-layer export together."""
-        self.worker.engine.add_request(prompt, prefill_only(params), request_id, priority)
+        engine = self.worker.engine
+        engine.add_request(prompt, prefill_only(params), request_id, priority, ttft_deadline)
         self.worker.loop.add_export(export)
 
     async def _first_token(self, request_id: str, sink: Sink) -> RequestOutput:

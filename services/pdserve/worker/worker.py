@@ -111,6 +111,7 @@ class Worker:
         params: SamplingParams,
         request_id: str,
         priority: int = 0,  # lower runs first (engine/scheduling.py)
+        ttft_deadline: float = 0.0,  # the client's, as LLMEngine.add_request takes it
     ) -> Sink:
         """Queue a colocated request (prefill and decode here); its deltas arrive in the sink.
 
@@ -120,7 +121,12 @@ class Worker:
         sink = self.loop.open_sink(request_id)
         try:
             await self.loop.call(
-                self.engine.add_request, prompt_token_ids, params, request_id, priority
+                self.engine.add_request,
+                prompt_token_ids,
+                params,
+                request_id,
+                priority,
+                ttft_deadline,
             )
         except BaseException:
             self.loop.close_sink(request_id)

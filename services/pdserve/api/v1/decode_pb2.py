@@ -26,7 +26,7 @@ from pdserve.api.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from pdserve.api.v1 import kv_transfer_pb2 as pdserve_dot_v1_dot_kv__transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x1cpdserve/v1/kv_transfer.proto\"\x80\x01\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\"\x91\x01\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x03 \x01(\x03\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x12\n\nkv_address\x18\x05 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x06 \x01(\r\":\n\rStreamRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x17\n\x0fstream_interval\x18\x02 \x01(\r\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x9d\x01\n\x14LocalGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fstream_interval\x18\x04 \x01(\r\x12\x10\n\x08priority\x18\x05 \x01(\x05\"\xc3\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.pdserve.v1.PositionLogprobs\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x11\n\ttext_ends\x18\x06 \x03(\r\"\x10\n\x0eGetLoadRequest\"\xe8\x02\n\nWorkerLoad\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0f\n\x07waiting\x18\x05 \x01(\x05\x12\x13\n\x0bopen_leases\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x18\n\x10protocol_version\x18\x08 \x01(\r\x12\x19\n\x11model_fingerprint\x18\t \x01(\t\x12\x12\n\nkv_address\x18\n \x01(\t\x12\x1d\n\x15queued_prefill_tokens\x18\x0b \x01(\x03\x12\x14\n\x0cstep_time_ms\x18\x0c \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\r \x01(\x01\x12\x19\n\x11step_token_budget\x18\x0e \x01(\x05\x12\x1f\n\x17shortest_running_output\x18\x0f \x01(\x05\"o\n\x0cRelayCommand\x12)\n\x06\x61ttach\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.RelayAttachH\x00\x12)\n\x06\x64\x65tach\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.RelayDetachH\x00\x42\t\n\x07\x63ommand\"\xb4\x02\n\x0bRelayAttach\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x17\n\x0fstream_interval\x18\x02 \x01(\r\x12\x12\n\x08lease_id\x18\x03 \x01(\tH\x00\x12\x34\n\x08generate\x18\x04 \x01(\x0b\x32 .pdserve.v1.LocalGenerateRequestH\x00\x12-\n\x08reattach\x18\x06 \x01(\x0b\x32\x19.pdserve.v1.RelayReattachH\x00\x12@\n\rtrace_context\x18\x05 \x03(\x0b\x32).pdserve.v1.RelayAttach.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07request\" \n\x0bRelayDetach\x12\x11\n\tstream_id\x18\x01 \x01(\x04\"2\n\nRelayBatch\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.RelayItem\"p\n\tRelayItem\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12%\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenDelta\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"7\n\rRelayReattach\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nfrom_token\x18\x02 \x01(\r2\x87\x03\n\x06\x44\x65\x63ode\x12\x34\n\x05\x41\x64mit\x12\x18.pdserve.v1.AdmitRequest\x1a\x11.pdserve.v1.Lease\x12=\n\x06Stream\x12\x19.pdserve.v1.StreamRequest\x1a\x16.pdserve.v1.TokenDelta0\x01\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12\x46\n\x08Generate\x12 .pdserve.v1.LocalGenerateRequest\x1a\x16.pdserve.v1.TokenDelta0\x01\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoad\x12=\n\x05Relay\x12\x18.pdserve.v1.RelayCommand\x1a\x16.pdserve.v1.RelayBatch(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/decode.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x1cpdserve/v1/kv_transfer.proto\"\x80\x01\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x14\n\x0clease_ttl_ms\x18\x04 \x01(\r\"\x91\x01\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x03 \x01(\x03\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\x12\n\nkv_address\x18\x05 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x06 \x01(\r\":\n\rStreamRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x17\n\x0fstream_interval\x18\x02 \x01(\r\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xb5\x01\n\x14LocalGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\x0fstream_interval\x18\x04 \x01(\r\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x16\n\x0ettft_budget_ms\x18\x06 \x01(\r\"\xc3\x01\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1c.pdserve.v1.PositionLogprobs\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x11\n\ttext_ends\x18\x06 \x03(\r\"\x10\n\x0eGetLoadRequest\"\xe8\x02\n\nWorkerLoad\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0f\n\x07waiting\x18\x05 \x01(\x05\x12\x13\n\x0bopen_leases\x18\x06 \x01(\x05\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x18\n\x10protocol_version\x18\x08 \x01(\r\x12\x19\n\x11model_fingerprint\x18\t \x01(\t\x12\x12\n\nkv_address\x18\n \x01(\t\x12\x1d\n\x15queued_prefill_tokens\x18\x0b \x01(\x03\x12\x14\n\x0cstep_time_ms\x18\x0c \x01(\x01\x12\x1c\n\x14prefill_tokens_per_s\x18\r \x01(\x01\x12\x19\n\x11step_token_budget\x18\x0e \x01(\x05\x12\x1f\n\x17shortest_running_output\x18\x0f \x01(\x05\"o\n\x0cRelayCommand\x12)\n\x06\x61ttach\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.RelayAttachH\x00\x12)\n\x06\x64\x65tach\x18\x02 \x01(\x0b\x32\x17.pdserve.v1.RelayDetachH\x00\x42\t\n\x07\x63ommand\"\xb4\x02\n\x0bRelayAttach\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12\x17\n\x0fstream_interval\x18\x02 \x01(\r\x12\x12\n\x08lease_id\x18\x03 \x01(\tH\x00\x12\x34\n\x08generate\x18\x04 \x01(\x0b\x32 .pdserve.v1.LocalGenerateRequestH\x00\x12-\n\x08reattach\x18\x06 \x01(\x0b\x32\x19.pdserve.v1.RelayReattachH\x00\x12@\n\rtrace_context\x18\x05 \x03(\x0b\x32).pdserve.v1.RelayAttach.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\t\n\x07request\" \n\x0bRelayDetach\x12\x11\n\tstream_id\x18\x01 \x01(\x04\"2\n\nRelayBatch\x12$\n\x05items\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.RelayItem\"p\n\tRelayItem\x12\x11\n\tstream_id\x18\x01 \x01(\x04\x12%\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenDelta\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"7\n\rRelayReattach\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nfrom_token\x18\x02 \x01(\r2\x87\x03\n\x06\x44\x65\x63ode\x12\x34\n\x05\x41\x64mit\x12\x18.pdserve.v1.AdmitRequest\x1a\x11.pdserve.v1.Lease\x12=\n\x06Stream\x12\x19.pdserve.v1.StreamRequest\x1a\x16.pdserve.v1.TokenDelta0\x01\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12\x46\n\x08Generate\x12 .pdserve.v1.LocalGenerateRequest\x1a\x16.pdserve.v1.TokenDelta0\x01\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoad\x12=\n\x05Relay\x12\x18.pdserve.v1.RelayCommand\x1a\x16.pdserve.v1.RelayBatch(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,27 +46,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELEASERESPONSE']._serialized_start=469
   _globals['_RELEASERESPONSE']._serialized_end=504
   _globals['_LOCALGENERATEREQUEST']._serialized_start=507
-  _globals['_LOCALGENERATEREQUEST']._serialized_end=664
-  _globals['_TOKENDELTA']._serialized_start=667
-  _globals['_TOKENDELTA']._serialized_end=862
-  _globals['_GETLOADREQUEST']._serialized_start=864
-  _globals['_GETLOADREQUEST']._serialized_end=880
-  _globals['_WORKERLOAD']._serialized_start=883
-  _globals['_WORKERLOAD']._serialized_end=1243
-  _globals['_RELAYCOMMAND']._serialized_start=1245
-  _globals['_RELAYCOMMAND']._serialized_end=1356
-  _globals['_RELAYATTACH']._serialized_start=1359
-  _globals['_RELAYATTACH']._serialized_end=1667
-  _globals['_RELAYATTACH_TRACECONTEXTENTRY']._serialized_start=1605
-  _globals['_RELAYATTACH_TRACECONTEXTENTRY']._serialized_end=1656
-  _globals['_RELAYDETACH']._serialized_start=1669
-  _globals['_RELAYDETACH']._serialized_end=1701
-  _globals['_RELAYBATCH']._serialized_start=1703
-  _globals['_RELAYBATCH']._serialized_end=1753
-  _globals['_RELAYITEM']._serialized_start=1755
-  _globals['_RELAYITEM']._serialized_end=1867
-  _globals['_RELAYREATTACH']._serialized_start=1869
-  _globals['_RELAYREATTACH']._serialized_end=1924
-  _globals['_DECODE']._serialized_start=1927
-  _globals['_DECODE']._serialized_end=2318
+  _globals['_LOCALGENERATEREQUEST']._serialized_end=688
+  _globals['_TOKENDELTA']._serialized_start=691
+  _globals['_TOKENDELTA']._serialized_end=886
+  _globals['_GETLOADREQUEST']._serialized_start=888
+  _globals['_GETLOADREQUEST']._serialized_end=904
+  _globals['_WORKERLOAD']._serialized_start=907
+  _globals['_WORKERLOAD']._serialized_end=1267
+  _globals['_RELAYCOMMAND']._serialized_start=1269
+  _globals['_RELAYCOMMAND']._serialized_end=1380
+  _globals['_RELAYATTACH']._serialized_start=1383
+  _globals['_RELAYATTACH']._serialized_end=1691
+  _globals['_RELAYATTACH_TRACECONTEXTENTRY']._serialized_start=1629
+  _globals['_RELAYATTACH_TRACECONTEXTENTRY']._serialized_end=1680
+  _globals['_RELAYDETACH']._serialized_start=1693
+  _globals['_RELAYDETACH']._serialized_end=1725
+  _globals['_RELAYBATCH']._serialized_start=1727
+  _globals['_RELAYBATCH']._serialized_end=1777
+  _globals['_RELAYITEM']._serialized_start=1779
+  _globals['_RELAYITEM']._serialized_end=1891
+  _globals['_RELAYREATTACH']._serialized_start=1893
+  _globals['_RELAYREATTACH']._serialized_end=1948
+  _globals['_DECODE']._serialized_start=1951
+  _globals['_DECODE']._serialized_end=2342
 # @@protoc_insertion_point(module_scope)

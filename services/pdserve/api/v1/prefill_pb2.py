@@ -26,7 +26,7 @@ from pdserve.api.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 from pdserve.api.v1 import decode_pb2 as pdserve_dot_v1_dot_decode__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x17pdserve/v1/decode.proto\"C\n\x08KVTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x03 \x01(\r\"\xa4\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06target\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12\x10\n\x08priority\x18\x05 \x01(\x05\"\xce\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.PositionLogprobs\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x32\x8c\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/prefill.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\x1a\x17pdserve/v1/decode.proto\"C\n\x08KVTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x03 \x01(\r\"\xbc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06target\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x16\n\x0ettft_budget_ms\x18\x06 \x01(\r\"\xce\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12.\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.PositionLogprobs\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x32\x8c\x01\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,9 +36,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVTARGET']._serialized_start=90
   _globals['_KVTARGET']._serialized_end=157
   _globals['_PREFILLREQUEST']._serialized_start=160
-  _globals['_PREFILLREQUEST']._serialized_end=324
-  _globals['_PREFILLRESPONSE']._serialized_start=327
-  _globals['_PREFILLRESPONSE']._serialized_end=533
-  _globals['_PREFILL']._serialized_start=536
-  _globals['_PREFILL']._serialized_end=676
+  _globals['_PREFILLREQUEST']._serialized_end=348
+  _globals['_PREFILLRESPONSE']._serialized_start=351
+  _globals['_PREFILLRESPONSE']._serialized_end=557
+  _globals['_PREFILL']._serialized_start=560
+  _globals['_PREFILL']._serialized_end=700
 # @@protoc_insertion_point(module_scope)

@@ -83,7 +83,9 @@ class OpenAIGateway:
         """The caller the request's `Authorization: Bearer` header proves (401 if none)."""
         return self.gate.authenticate(request.headers.get("authorization"))
 
-    async def chat(self, body: ChatCompletionRequest, caller: Caller) -> Response:
+    async def chat(
+        self, body: ChatCompletionRequest, caller: Caller, ttft_slo_ms: int = 0
+    ) -> Response:
         self.check_model(body.model)
         # rendering and tokenizing a long chat would hold the event loop: a thread does it
         routed = await asyncio.to_thread(
@@ -92,21 +94,23 @@ class OpenAIGateway:
         format = ChatFormat(
             self.model_name, self.texts, logprobs=body.logprobs, include_usage=body.include_usage
         )
-        return await self._generation(routed, format, body.stream, body.include_usage, caller)
+        return await self._generation(routed, format, body, caller, ttft_slo_ms)
 
-    async def completions(self, body: CompletionRequest, caller: Caller) -> Response:
+    async def completions(
+        self, body: CompletionRequest, caller: Caller, ttft_slo_ms: int = 0
+    ) -> Response:
         self.check_model(body.model)
         routed = convert.completion_requests(body)
         with_logprobs = body.logprobs is not None
         format = CompletionFormat(
             self.model_name, self.texts, logprobs=with_logprobs, include_usage=body.include_usage
         )
-        return await self._generation(routed, format, body.stream, body.include_usage, caller)
+        return await self._generation(routed, format, body, caller, ttft_slo_ms)
 
-    async def _generation(
-        self, routed, format, stream: bool, include_usage: bool, caller: Caller
-    ) -> Response:
-        generation = Generation(routed, format, stream, include_usage)
+    async def _generation(self, routed, format, body, caller: Caller, ttft_slo_ms: int) -> Response:
+        for request in routed.requests:  # the client's TTFT target, from its header
+            request.ttft_slo_ms = ttft_slo_ms
+        generation = Generation(routed, format, body.stream, body.include_usage)
         slot = await self.gate.admit(caller)  # after the checks: a bad request costs nothing
         return GenerationResponse(self.frontend, generation, caller, slot)
 
@@ -128,6 +132,14 @@ def _authenticated(request: Request) -> Caller:
 Authenticated = Annotated[Caller, Depends(_authenticated)]
 
 
+def _ttft_slo_ms(request: Request) -> int:
+    """The client's TTFT target (the `x-slo-ttft-ms` header; 0: none)."""
+    return convert.ttft_slo_ms_from_header(request.headers.get(convert.TTFT_SLO_HEADER))
+
+
+TtftSlo = Annotated[int, Depends(_ttft_slo_ms)]
+
+
 def create_app(gateway: OpenAIGateway) -> FastAPI:
     app = FastAPI(title="pdserve", version=__version__, docs_url=None, redoc_url=None)
 
@@ -135,12 +147,16 @@ def create_app(gateway: OpenAIGateway) -> FastAPI:
     keyed = [Depends(_authenticated)]  # every route but /health
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, caller: Authenticated) -> Response:
-        return await gateway.chat(body, caller)
+    async def chat_completions(
+        body: ChatCompletionRequest, caller: Authenticated, ttft_slo_ms: TtftSlo
+    ) -> Response:
+        return await gateway.chat(body, caller, ttft_slo_ms)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, caller: Authenticated) -> Response:
-        return await gateway.completions(body, caller)
+    async def completions(
+        body: CompletionRequest, caller: Authenticated, ttft_slo_ms: TtftSlo
+    ) -> Response:
+        return await gateway.completions(body, caller, ttft_slo_ms)
 
     @app.get("/v1/models", dependencies=keyed)
     async def models() -> dict:

@@ -23,14 +23,16 @@ def generate_request_to_proto(
     resume_from: int | None,
     stream: bool,
     priority: int = 0,
+    ttft_slo_ms: int = 0,
 ) -> router_pb2.GenerateRequest:
     """A client's Generate call: a text or token prompt, default params when None;
-    `priority`: lower runs first."""
+    `priority`: lower runs first; `ttft_slo_ms`: the client's TTFT target (0: none)."""
     request = router_pb2.GenerateRequest(
         sampling=sampling_params_to_proto(params or SamplingParams()),
         request_id=request_id or "",
         stream=stream,
         priority=priority,
+        ttft_slo_ms=ttft_slo_ms,
     )
     if isinstance(prompt, str):
         request.text = prompt

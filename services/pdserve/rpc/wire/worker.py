@@ -14,6 +14,12 @@ from pdserve.rpc.wire import (
 )
 
 
+def ttft_deadline_from_proto(ttft_budget_ms: int, received_at: float) -> float:
+    """A call's `ttft_budget_ms` (prefill.proto) as the engine's `ttft_deadline`: a
+    time.monotonic(), counted from `received_at`, when the call arrived; 0.0: none."""
+    return received_at + ttft_budget_ms / 1000 if ttft_budget_ms else 0.0
+
+
 def deltas_to_proto(deltas: list[RequestOutput], num_output_tokens: int) -> decode_pb2.TokenDelta:
     """Consecutive step outputs of one request as one TokenDelta; usage rides on the final one.
 
