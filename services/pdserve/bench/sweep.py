@@ -77,7 +77,8 @@ async def measure(
         c.solo = await solo(target, sweep)
         console.print(f"{c.name} alone: {solo_text(c.solo)}")
     sweep.slo = sweep.slo.calibrated(configs[0].solo)  # relative to the first listed
-    console.print(f"SLOs: {sweep.slo.ttft_text()}, TPOT <= {sweep.slo.tpot_ms:g} ms")
+    sent = "; each request carries its TTFT SLO" if sweep.slo.sent else ""
+    console.print(f"SLOs: {sweep.slo.ttft_text()}, TPOT <= {sweep.slo.tpot_ms:g} ms{sent}")
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
     with Progress(*columns, TimeElapsedColumn(), console=console) as progress:
         turn = 0

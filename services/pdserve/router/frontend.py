@@ -154,9 +154,13 @@ class Frontend:
         offset = request.resume_from if request.HasField("resume_from") else 0
         deadline = None if timeout_s is None else received_at + timeout_s
         ttft_deadline = received_at + request.ttft_slo_ms / 1000 if request.ttft_slo_ms else None
-        new_attempt = functools.partial(Attempt, request_id, prompt, deadline=deadline)
         new_attempt = functools.partial(  # what each try needs but its sampling
-            new_attempt, priority=request.priority, ttft_deadline=ttft_deadline
+            Attempt,
+            request_id,
+            prompt,
+            deadline=deadline,
+            priority=request.priority,
+            ttft_deadline=ttft_deadline,
         )
 
         def take_over(lost: RequestRecord) -> RequestSession:  # its router died: run it here
