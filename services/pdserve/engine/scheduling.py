@@ -60,7 +60,9 @@ computed, over the last steps). Unlike the relative deadline, the target is the 
 client judges by, so a prompt partway through its prefill can be late too: it pauses,
 keeping its blocks (and the lease of a KV push it has begun, which its prefill worker
 renews), until the prompts that can still make their targets are done; only one with
-tokens out already is never late. The bound above holds for it too.
+tokens out already is never late. The bound above holds for it too. On a worker that
+also decodes, the pace counts its decode steps, whose tokens each cost more time than a
+prompt's: there the estimate runs high and a prompt is late a little early.
 
 The remaining work ignores prefix-cache hits a waiting request would get (looking them up
 costs a hash walk per waiting request per step); a hit only makes a prompt shorter than
