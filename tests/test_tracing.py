@@ -212,12 +212,14 @@ def router(servers):
         yield stub
 
 
-def generate(stub, request_id: str, metadata=()) -> list[router_pb2.GenerateResponse]:
+def generate(stub, request_id: str, metadata=(), **urgency) -> list[router_pb2.GenerateResponse]:
+    """Stream one request; `urgency`: its `priority` and `ttft_slo_ms`."""
     request = router_pb2.GenerateRequest(
         text=PROMPT,
         sampling=sampling_params_to_proto(SAMPLING),
         request_id=request_id,
         stream=True,
+        **urgency,
     )
     return list(stub.Generate(request, metadata=metadata, timeout=60))
 
@@ -231,7 +233,8 @@ TREE |= {"kv_transfer send", "kv_transfer receive", "decode"}
 @pytest.fixture(scope="module")
 def traced(router, catcher):
     """One request sent with a client's traceparent: (its messages, its spans)."""
-    messages = generate(router, "traced-1", metadata=(("traceparent", TRACEPARENT),))
+    metadata = (("traceparent", TRACEPARENT),)
+    messages = generate(router, "traced-1", metadata, priority=-2, ttft_slo_ms=30_000)
     return messages, catcher.trace(TRACE_ID, TREE)
 
 
@@ -292,6 +295,8 @@ def test_the_request_span_has_the_genai_attributes_and_no_text(traced):
     assert attributes["gen_ai.request.top_p"] == pytest.approx(SAMPLING.top_p)
     assert attributes["gen_ai.request.top_k"] == SAMPLING.top_k
     assert attributes["gen_ai.request.seed"] == SAMPLING.seed
+    assert attributes["pdserve.request.priority"] == -2
+    assert attributes["pdserve.request.ttft_slo_ms"] == 30_000
     assert attributes["gen_ai.response.id"] == "traced-1"
     assert list(attributes["gen_ai.response.finish_reasons"]) == ["length"]
     assert attributes["gen_ai.usage.input_tokens"] == usage.prompt_tokens

@@ -42,6 +42,7 @@ from pdserve.rpc.wire.router import append_response, replay_response
 from pdserve.state.checkpoint_reader import OwnerLostError
 from pdserve.state.record import MAX_REQUEST_ID_BYTES, RequestRecord, request_digest
 from pdserve.state.requests import RequestStore
+from pdserve.telemetry.request import RequestTelemetry
 
 # The sampling parameters' field path: as the engine names it, and in the public API.
 _ENGINE_SAMPLING, PUBLIC_SAMPLING = "sampling_params", "sampling"
@@ -189,6 +190,14 @@ class Frontend:
                 yield message
 
     def _session(self, attempt: Attempt, digest: str, received_at: float) -> RequestSession:
+        telemetry = RequestTelemetry(
+            attempt.request_id,
+            attempt.sampling,
+            model=self.model_name,
+            prompt_tokens=len(attempt.prompt),
+            priority=attempt.priority,
+            ttft_slo_ms=attempt.ttft_slo_ms(received_at),
+        )
         return RequestSession(
             attempt,
             runner=self.runner,
@@ -196,7 +205,7 @@ class Frontend:
             request_digest=digest,
             router_id=self.router_id,
             received_at=received_at,
-            model=self.model_name,
+            telemetry=telemetry,
         )
 
     async def _run_here(self, session: RequestSession, stream: bool):

@@ -128,6 +128,10 @@ class Attempt:
         """KV blocks the request holds on its decode worker at its longest."""
         return num_blocks_for(len(self.prompt) + self.sampling.max_tokens, self.block_size)
 
+    def ttft_slo_ms(self, received_at: float) -> int:
+        """The client's TTFT target, for a request received at `received_at`; 0: none."""
+        return 0 if self.ttft_deadline is None else round((self.ttft_deadline - received_at) * 1000)
+
     def ttft_budget_ms(self) -> int:
         """What is left of the client's TTFT target, for a worker call's `ttft_budget_ms`:
         at least 1 ms (a target already missed is still one), 0 without a target."""

@@ -127,15 +127,13 @@ class RequestSession:
         store: RequestStore,
         router_id: str,
         received_at: float,
-        model: str,
+        telemetry: RequestTelemetry,  # its span and metrics, opened by the frontend
         request_digest: str,
     ):
         self.attempt, self.runner, self.store, self.router_id = attempt, runner, store, router_id
         self.request_id = attempt.request_id
         self.request_digest = request_digest  # what a call reusing the id must match
-        self.telemetry = RequestTelemetry(
-            attempt.request_id, attempt.sampling, model=model, prompt_tokens=len(attempt.prompt)
-        )
+        self.telemetry = telemetry
         self.progress = Progress(received_at=received_at)
         self._delivered = DeliveredTokens()
         self._inbox = DeltaInbox()

@@ -68,8 +68,11 @@ def placement_event(attributes: dict[str, object]) -> None:
         span.add_event(PLACEMENT_EVENT, kept)
 
 
-def request_attributes(sampling: common_pb2.SamplingParams, model: str) -> dict[str, object]:
-    """The request span's GenAI attributes from what the client asked for."""
+def request_attributes(
+    sampling: common_pb2.SamplingParams, model: str, priority: int = 0, ttft_slo_ms: int = 0
+) -> dict[str, object]:
+    """The request span's attributes from what the client asked for: GenAI's, and how
+    urgent it said the request is (its priority, and its TTFT target if it gave one)."""
     attributes: dict[str, object] = {
         "gen_ai.operation.name": OPERATION,
         "gen_ai.provider.name": PROVIDER,
@@ -81,6 +84,9 @@ def request_attributes(sampling: common_pb2.SamplingParams, model: str) -> dict[
     }
     if sampling.HasField("seed"):  # the router seeds unseeded sampling: the one it ran with
         attributes["gen_ai.request.seed"] = sampling.seed
+    attributes["pdserve.request.priority"] = priority
+    if ttft_slo_ms:
+        attributes["pdserve.request.ttft_slo_ms"] = ttft_slo_ms
     return attributes
 
 
@@ -117,12 +123,16 @@ class RequestTelemetry:
         *,
         model: str,
         prompt_tokens: int,
+        priority: int = 0,
+        ttft_slo_ms: int = 0,
     ):
         self.request_id, self.model, self.prompt_tokens = request_id, model, prompt_tokens
         # The current context is the caller's trace when its call carried one (rpc_errors).
         # The attributes go in at the start (built only when tracing is on): the sampler
         # sees them, and the span copies them once.
-        attributes = request_attributes(sampling, model) if tracing.enabled() else None
+        attributes = None
+        if tracing.enabled():
+            attributes = request_attributes(sampling, model, priority, ttft_slo_ms)
         self.span = tracing.start_span(
             f"{OPERATION} {model}", request_id, kind=SpanKind.SERVER, attributes=attributes
         )
