@@ -152,6 +152,7 @@ class LLMEngine:
         for the step are in the cache: the KV-transfer path exports layers from it
         while later layers still compute.
         """
+        started = time.monotonic()
         with self._state_lock:
             plan = self.scheduler.schedule()
         if not plan.scheduled:
@@ -159,9 +160,7 @@ class LLMEngine:
         callback = None
         if on_layer_done is not None:
             callback = functools.partial(_call_with_plan, on_layer_done, plan)
-        started = time.monotonic()
         sampled, sampler_out = self.runner.execute(plan, callback)
-        self.scheduler.pace.record(plan.num_batched_tokens, time.monotonic() - started)
         tokens, logprobs = {}, {}
         if sampler_out is not None:
             for s, token, lp in zip(
@@ -180,6 +179,7 @@ class LLMEngine:
             if delta.finished:
                 self.outputs.drop(rid)
             deltas.append(delta)
+        self.scheduler.pace.record(plan.num_batched_tokens, time.monotonic() - started)
         return deltas
 
     def generate(

@@ -132,19 +132,22 @@ class Ordering:
 
 
 class Pace:
-    """The engine's recent wall time per token computed: what a prompt's remaining work
-    will take, for clients' TTFT targets. A decayed ratio of sums over steps (each earlier
-    step weighs `decay` times the next), so a full step weighs more than a small one."""
+    """The engine's recent wall time per token computed (each step timed once, by
+    `LLMEngine.step`): what a prompt's remaining work will take, for clients' TTFT
+    targets. A decayed ratio of sums over steps (each earlier step weighs `decay` times
+    the next), so a full step weighs more than a small one."""
 
     def __init__(self, decay: float = PACE_DECAY):
         self.decay = decay
         self._seconds = 0.0
         self._tokens = 0.0
+        self.last_step = (0, 0.0)  # the last step's tokens and seconds, as recorded
 
     def record(self, num_tokens: int, seconds: float) -> None:
         """One step that computed `num_tokens` tokens in `seconds`."""
         self._seconds = self.decay * self._seconds + seconds
         self._tokens = self.decay * self._tokens + num_tokens
+        self.last_step = (num_tokens, seconds)
 
     @property
     def seconds_per_token(self) -> float:

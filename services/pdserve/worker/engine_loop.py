@@ -15,7 +15,6 @@ import concurrent.futures
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,8 +85,7 @@ class StepStats:
         )
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        if not num_tokens:  # nothing was scheduled: no step ran
-            return
+        """One step that ran, as the engine timed it (`Pace.last_step`)."""
         self.step_time_ms = _moving(self.step_time_ms, seconds * 1000)
         if num_tokens >= MIN_PREFILL_STEP_TOKENS and seconds > 0:
             self.prefill_tokens_per_s = _moving(self.prefill_tokens_per_s, num_tokens / seconds)
@@ -189,12 +187,12 @@ class EngineLoop:
             self.step_stats.observe_queues(self.engine.scheduler)
             if self._stopping or not self.engine.has_unfinished_requests():
                 continue
-            scheduler, started = self.engine.scheduler, time.perf_counter()
+            scheduler = self.engine.scheduler
             num_tokens_before = scheduler.num_scheduled_tokens
             try:
                 deltas = self._run_step()
-                num_tokens = scheduler.num_scheduled_tokens - num_tokens_before
-                self.step_stats.observe(num_tokens, time.perf_counter() - started)
+                if scheduler.num_scheduled_tokens > num_tokens_before:  # a step ran: as timed
+                    self.step_stats.observe(*scheduler.pace.last_step)
             except Exception as exc:  # a bug or OOM: fail the step's requests, keep serving
                 log.exception("engine step failed")
                 self._fail_all(EngineFailedError(f"engine step failed: {exc}"))
