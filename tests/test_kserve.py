@@ -140,7 +140,8 @@ def test_server_and_model_report_live_and_ready_under_the_served_name(cluster):
     assert client.is_model_ready(MODEL, "1")
     assert not client.is_model_ready("another-model")
     assert not client.is_model_ready(MODEL, "2")
-    assert client.get_server_metadata().name == "pdserve"
+    metadata = client.get_server_metadata()
+    assert metadata.name == "pdserve" and "schedule_policy" in metadata.extensions
 
 
 def test_a_router_whose_workers_are_unreachable_is_live_but_not_ready(
@@ -287,6 +288,36 @@ def test_bad_tensors_are_invalid_argument_naming_the_input(cluster, case):
 def test_request_parameters_beside_the_sampling_input_are_invalid(cluster):
     message = _invalid(cluster["client"], llm_inputs(), parameters={"temperature": 1})
     assert "parameters" in message
+
+
+@pytest.mark.parametrize(
+    ("options", "name"),
+    [
+        ({"priority": 2**32}, "parameters.priority"),  # past Triton's highest level number
+        ({"headers": {"x-slo-ttft-ms": "soon"}}, "x-slo-ttft-ms"),
+    ],
+)
+def test_a_bad_priority_or_ttft_target_is_invalid_argument_naming_it(cluster, options, name):
+    assert _invalid(cluster["client"], llm_inputs(), **options).startswith(name)
+
+
+def test_priority_and_a_ttft_target_leave_the_completion_as_it_was(cluster):
+    expected = native_text(cluster["router"], **GREEDY)
+    headers = {"x-slo-ttft-ms": "60000"}
+    result = cluster["client"].infer(MODEL, llm_inputs(), priority=1, headers=headers)
+    assert text_of(result) == PROMPT + expected.text
+
+
+def test_a_request_past_its_timeout_parameter_is_deadline_exceeded_and_frees_its_kv(cluster):
+    """Triton's `timeout` (microseconds) bounds the whole request; the call has none."""
+    long = {"temperature": 0, "max_tokens": 3500, "ignore_eos": True}  # far more than 1 s
+    started = time.monotonic()
+    with pytest.raises(InferenceServerException) as raised:
+        cluster["client"].infer(MODEL, llm_inputs(sampling=long), timeout=1_000_000)
+    assert raised.value.status() == "StatusCode.DEADLINE_EXCEEDED", raised.value.message()
+    assert time.monotonic() - started < STREAM_WAIT_S
+    load = cluster["decode"].wait_idle(timeout_s=5)
+    assert (load.free_blocks, load.open_leases, load.running) == (load.total_blocks, 0, 0)
 
 
 # -- ModelStreamInfer ---------------------------------------------------------------------

@@ -187,3 +187,49 @@ def test_the_protocols_own_request_parameters_are_not_sampling_parameters():
         "triton_enable_empty_final_response": pb.InferParameter(bool_param=True),
     }
     assert sampling_from_parameters(parameters, "parameters").max_tokens == 4
+
+
+def with_parameters(**parameters: pb.InferParameter) -> pb.ModelInferRequest:
+    request = raw_request(("text_input", "BYTES", raw_bytes(PROMPT.encode())))
+    for name, value in parameters.items():
+        request.parameters[name].CopyFrom(value)
+    return request
+
+
+@pytest.mark.parametrize(
+    ("level", "priority"),
+    [(0, 0), (2**31, 0), (1, -(2**31) + 1), (2, -(2**31) + 2), (2**32 - 1, 2**31 - 1)],
+)
+def test_tritons_priority_level_is_the_public_priority_in_the_same_order(level, priority):
+    """Level 1 is Triton's highest; 0 and the default level 2**31 are pdserve's 0."""
+    call = parse_request(
+        with_parameters(priority=pb.InferParameter(uint64_param=level)), streaming_call=False
+    )
+    assert call.generate.priority == priority
+
+
+def test_timeout_is_microseconds_and_the_ttft_target_is_passed_on():
+    request = with_parameters(timeout=pb.InferParameter(int64_param=2_500_000))
+    call = parse_request(request, streaming_call=False, ttft_slo_ms=300)
+    assert call.timeout_s == 2.5 and call.generate.ttft_slo_ms == 300
+    untimed = parse_request(with_parameters(), streaming_call=False)
+    assert untimed.timeout_s is None and untimed.generate.ttft_slo_ms == 0
+    assert untimed.generate.priority == 0
+    zero = with_parameters(timeout=pb.InferParameter(int64_param=0))
+    assert parse_request(zero, streaming_call=False).timeout_s is None  # Triton's: no limit
+
+
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"priority": pb.InferParameter(uint64_param=2**32)},
+        {"priority": pb.InferParameter(int64_param=-1)},
+        {"priority": pb.InferParameter(double_param=1.0)},
+        {"priority": pb.InferParameter(string_param="1")},
+        {"timeout": pb.InferParameter(int64_param=-5)},
+        {"timeout": pb.InferParameter(bool_param=True)},
+    ],
+)
+def test_a_schedule_parameter_out_of_range_or_of_another_type_is_named(parameters):
+    [name] = parameters
+    assert field_of(with_parameters(**parameters), streaming_call=False) == f"parameters.{name}"

@@ -1,6 +1,7 @@
 """A request's priority (lower runs first, as vLLM's) and its client's TTFT target: from
-the public API, the Python client and the OpenAI body or header through the router to the
-prefill worker's scheduler, on a real cluster."""
+the public API, the Python client, the OpenAI body or header and Triton's client (its
+`priority` level, the `x-slo-ttft-ms` metadata) through the router to the prefill
+worker's scheduler, on a real cluster."""
 
 from __future__ import annotations
 
@@ -8,19 +9,24 @@ import asyncio
 import time
 
 import grpc
+import numpy as np
 import openai
 import pytest
+import tritonclient.grpc.aio as triton
 from pydantic import ValidationError
+from transformers import AutoTokenizer
 
 from pdserve.api.v1 import decode_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from pdserve.client import AsyncClient
 from pdserve.cluster.local import ClusterShape, LocalCluster
+from pdserve.core.errors import InvalidRequestError
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.gateways.openai.convert import completion_requests, ttft_slo_ms_from_header
-from pdserve.gateways.openai.errors import OpenAIError
+from pdserve.gateways.openai.convert import completion_requests
 from pdserve.gateways.openai.protocol import CompletionRequest
+from pdserve.gateways.ttft_target import ttft_slo_ms_from_header
 from pdserve.rpc.wire import sampling_params_to_proto
+from pdserve.telemetry.request import served_model_name
 
 PROMPT_TOKENS = 600  # 150 steps of 4 tokens on the prefill worker
 STEP_TOKENS = 4
@@ -46,11 +52,10 @@ def test_the_engine_keeps_a_ttft_deadline_and_times_its_steps(demo_model_dir):
 
 
 @pytest.mark.parametrize("value", ["-5", "1.5", "soon", "4294967296", "", "²"])
-def test_a_ttft_slo_header_that_is_not_whole_milliseconds_is_a_400_naming_it(value):
-    with pytest.raises(OpenAIError, match="x-slo-ttft-ms") as raised:
+def test_a_ttft_slo_header_that_is_not_whole_milliseconds_is_an_error_naming_it(value):
+    with pytest.raises(InvalidRequestError, match="whole number of milliseconds") as raised:
         ttft_slo_ms_from_header(value)
-    assert raised.value.param == "x-slo-ttft-ms"
-    assert raised.value.kind.status == 400
+    assert raised.value.field == "x-slo-ttft-ms"
 
 
 def test_a_ttft_slo_header_is_whole_milliseconds_and_none_is_no_target():
@@ -109,15 +114,60 @@ async def on_the_prefill_worker(cluster, count: int) -> None:
             await asyncio.sleep(0.005)
 
 
-async def test_a_lower_priority_value_gets_its_first_token_before_earlier_prompts(cluster):
+def text_prompt(cluster, first_id: int, num_tokens: int) -> str:
+    """A text of about `num_tokens` tokens (KServe takes text), unlike any other test's."""
+    tokenizer = AutoTokenizer.from_pretrained(cluster.model)
+    words = " ".join(f"w{first_id + i}" for i in range(num_tokens // 2))  # 2+ tokens each
+    ids = tokenizer.encode(words, add_special_tokens=False)
+    assert len(ids) >= num_tokens
+    return tokenizer.decode(ids[:num_tokens])
+
+
+async def answer_over_kserve(cluster, text: str, **options) -> float:
+    """Triton's client, one token: the monotonic time its answer (the first token) came."""
+    prompt = triton.InferInput("text_input", [1], "BYTES")
+    prompt.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
+    sampling = triton.InferInput("sampling_parameters", [1], "BYTES")
+    sampling.set_data_from_numpy(np.array([b'{"max_tokens": 1}'], dtype=np.object_))
+    client = triton.InferenceServerClient(cluster.router_address)
+    try:
+        model = served_model_name(cluster.model)
+        await client.infer(model, [prompt, sampling], client_timeout=60, **options)
+        return time.monotonic()
+    finally:
+        await client.close()
+
+
+def urgent_over_grpc(cluster):
+    async def send(stub) -> float:
+        return await first_token_at(stub, 600, priority=-1)
+
+    return send
+
+
+def urgent_over_kserve(cluster):
+    """Triton's highest level (1); a prompt no shorter than the one waiting, its text made
+    before the others are sent (loading the tokenizer takes a while)."""
+    text = text_prompt(cluster, 900, PROMPT_TOKENS + 20)
+
+    async def send(stub) -> float:
+        return await answer_over_kserve(cluster, text, priority=1)
+
+    return send
+
+
+@pytest.mark.parametrize("door", [urgent_over_grpc, urgent_over_kserve])
+async def test_a_lower_priority_value_gets_its_first_token_before_earlier_prompts(cluster, door):
+    send_urgent = door(cluster)
+    first_id = 10 if door is urgent_over_grpc else 1300
     async with grpc.aio.insecure_channel(cluster.router_address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
-        first = asyncio.create_task(first_token_at(stub, 10, priority=0))
-        second = asyncio.create_task(first_token_at(stub, 300, priority=0))
+        first = asyncio.create_task(first_token_at(stub, first_id, priority=0))
+        second = asyncio.create_task(first_token_at(stub, first_id + 100, priority=0))
         # Both are on the prefill worker, one running; a fixed wait once let a loaded
         # machine finish one before the urgent prompt got there.
         await on_the_prefill_worker(cluster, 2)
-        urgent = await first_token_at(stub, 600, priority=-1)
+        urgent = await send_urgent(stub)
         usual = await asyncio.gather(first, second)
 
     # Without the priority the least-work order would put it after the prompt that was
@@ -158,8 +208,16 @@ async def first_token_from_client(cluster, first_id: int, ttft_slo_ms: int) -> f
     raise AssertionError("no token")
 
 
+async def first_token_over_kserve(cluster, first_id: int, ttft_slo_ms: int) -> float:
+    """Triton's client, with the `x-slo-ttft-ms` metadata; a little shorter than the
+    long prompts (its text's tokens are counted again by the router)."""
+    text = text_prompt(cluster, first_id, TARGET_PROMPT_TOKENS - 50)
+    return await answer_over_kserve(cluster, text, headers={"x-slo-ttft-ms": str(ttft_slo_ms)})
+
+
 @pytest.mark.parametrize(
-    ("send_late", "first_id"), [(first_token_over_http, 20), (first_token_from_client, 40)]
+    ("send_late", "first_id"),
+    [(first_token_over_http, 20), (first_token_from_client, 40), (first_token_over_kserve, 60)],
 )
 async def test_a_prompt_that_cannot_make_its_ttft_target_yields_to_one_that_can(
     cluster, send_late, first_id

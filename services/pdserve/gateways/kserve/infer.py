@@ -6,7 +6,9 @@ As in Triton's vLLM backend: `text_output` starts with the prompt unless
 there); while streaming each response carries the text (and the count of tokens) since
 the one before, the last one the finish reason; `return_*` inputs add outputs. The
 request's `id` is the client's correlation id, echoed, never the router's request id
-(which would re-attach to an earlier request of the same id).
+(which would re-attach to an earlier request of the same id). The request's `priority`
+and `timeout` parameters are Triton's schedule policy (`schedule`); the client's TTFT
+target comes as the call's `x-slo-ttft-ms` metadata, as the OpenAI API's header.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pdserve.gateways.kserve.sampling import (
     sampling_from_json,
     sampling_from_parameters,
 )
+from pdserve.gateways.kserve.schedule import priority_from_parameters, timeout_from_parameters
 from pdserve.gateways.kserve.tensors import (
     DataType,
     InputTensor,
@@ -54,6 +57,7 @@ class InferCall:
     prepend_prompt: bool  # text_output starts with the prompt
     outputs: tuple[Output, ...]  # what each response carries
     sampling_source: str  # the input (or "parameters") the sampling fields came in
+    timeout_s: float | None = None  # the `timeout` parameter's; None: no limit
 
     @property
     def prompt(self) -> str:
@@ -70,8 +74,11 @@ class InferCall:
         return exc
 
 
-def parse_request(request: pb.ModelInferRequest, *, streaming_call: bool) -> InferCall:
-    """Check a request's inputs and make its GenerateRequest; errors name the tensor.
+def parse_request(
+    request: pb.ModelInferRequest, *, streaming_call: bool, ttft_slo_ms: int = 0
+) -> InferCall:
+    """Check a request's inputs and make its GenerateRequest; errors name the tensor (or
+    the parameter). `ttft_slo_ms` is the client's TTFT target (0: none).
 
     Without `streaming_call` (ModelInfer) there is one response, so `stream` must not be
     true."""
@@ -88,12 +95,20 @@ def parse_request(request: pb.ModelInferRequest, *, streaming_call: bool) -> Inf
             _stream_input(tensors), "ModelInfer gives one response: stream with ModelStreamInfer"
         )
     sampling, source = _sampling(tensors, request.parameters)
+    generate = router_pb2.GenerateRequest(
+        text=text,
+        sampling=sampling,
+        stream=stream,
+        priority=priority_from_parameters(request.parameters, REQUEST_PARAMETERS),
+        ttft_slo_ms=ttft_slo_ms,
+    )
     return InferCall(
         id=request.id,
-        generate=router_pb2.GenerateRequest(text=text, sampling=sampling, stream=stream),
+        generate=generate,
         prepend_prompt=_prepend_prompt(tensors, stream),
         outputs=_outputs(tensors, request.outputs),
         sampling_source=source,
+        timeout_s=timeout_from_parameters(request.parameters, REQUEST_PARAMETERS),
     )
 
 

@@ -19,9 +19,10 @@ from pdserve.gateways.kserve.tensors import DataType
 MODEL_VERSION = "1"
 SERVER_NAME = "pdserve"
 BACKEND = "pdserve"
-# The protocol extensions served beside the core: ModelConfig, and request parameters
-# (sampling parameters may come as the request's parameters).
-EXTENSIONS = ("model_configuration", "parameters")
+# The protocol extensions served beside the core: ModelConfig, request parameters
+# (sampling parameters may come as the request's parameters), and the schedule policy
+# (the `priority` and `timeout` parameters).
+EXTENSIONS = ("model_configuration", "parameters", "schedule_policy")
 _CONFIG_TYPES = {
     DataType.BOOL: config_pb.TYPE_BOOL,
     DataType.UINT32: config_pb.TYPE_UINT32,

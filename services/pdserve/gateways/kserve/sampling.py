@@ -26,7 +26,9 @@ SEED_MAX = 2**63 - 1
 # vLLM's top_k of -1 means what pdserve's 0 means: no top-k filter.
 VLLM_NO_TOP_K = -1
 # Request parameters that belong to the protocol (Triton's reserved names), not to
-# sampling; requests that carry them from tritonclient are served without them.
+# sampling: `priority` and `timeout` are the schedule policy's (`schedule`); the others
+# (sequences, binary output) mean nothing here, and requests that carry them from
+# tritonclient are served without them.
 RESERVED_PARAMETERS = frozenset(
     {"sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "binary_data_output"}
 )

@@ -5,7 +5,8 @@ ModelInfer and ModelStreamInfer are proto in -> `Frontend.generate` -> proto out
 `infer`. Errors: a unary call's become statuses (`rpc_errors`: INVALID_ARGUMENT naming the
 tensor, RESOURCE_EXHAUSTED when the router is full ...; NOT_FOUND for a model it does not
 serve); a streamed request's are its last response's `error_message`, as Triton's, and
-the stream goes on.
+the stream goes on. The call's `x-slo-ttft-ms` metadata is each of its requests' TTFT
+target.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pdserve.gateways.kserve.model import (
     server_metadata,
 )
 from pdserve.gateways.kserve.stream import InferStream
+from pdserve.gateways.ttft_target import TTFT_SLO_HEADER, ttft_slo_ms_from_header
 from pdserve.router.discovery import Discovery
 from pdserve.router.frontend import Frontend
 from pdserve.rpc.errors import rpc_errors, to_status
@@ -98,7 +100,7 @@ class KServeServicer:
     @rpc_errors
     async def ModelInfer(self, request, context):
         await self._check_model(request.model_name, request.model_version, context)
-        call = parse_request(request, streaming_call=False)
+        call = parse_request(request, streaming_call=False, ttft_slo_ms=_ttft_slo_ms(context))
         responses = [response async for response, _ in self._run(call, context)]
         return responses[-1]  # the one response of a request that does not stream
 
@@ -117,7 +119,7 @@ class KServeServicer:
             if problem is not None:
                 yield error_response(request, problem)
                 return
-            call = parse_request(request, streaming_call=True)
+            call = parse_request(request, streaming_call=True, ttft_slo_ms=_ttft_slo_ms(context))
             async for response, final in self._run(call, context):
                 yield pb.ModelStreamInferResponse(infer_response=mark_final(response, final))
         except Exception as exc:  # the request's end, not the stream's: Triton's way
@@ -128,7 +130,8 @@ class KServeServicer:
     ) -> AsyncIterator[tuple[pb.ModelInferResponse, bool]]:
         """(response, whether it is the last) for each of the request's messages."""
         responses = InferResponses(call, self.frontend.model_name, self._count_tokens)
-        generate = self.frontend.generate(call.generate, timeout_s=context.time_remaining())
+        timeout_s = _shorter(context.time_remaining(), call.timeout_s)
+        generate = self.frontend.generate(call.generate, timeout_s=timeout_s)
         try:
             async with contextlib.aclosing(generate) as messages:
                 async for message in messages:
@@ -138,3 +141,15 @@ class KServeServicer:
 
     def _count_tokens(self, text: str) -> int:
         return len(self.frontend.tokenizer.encode(text))
+
+
+def _ttft_slo_ms(context) -> int:
+    """The call's `x-slo-ttft-ms` metadata (0: none)."""
+    values = [value for key, value in context.invocation_metadata() or () if key == TTFT_SLO_HEADER]
+    return ttft_slo_ms_from_header(values[-1] if values else None)
+
+
+def _shorter(first: float | None, second: float | None) -> float | None:
+    """The shorter of two timeouts; None is no limit."""
+    given = [timeout for timeout in (first, second) if timeout is not None]
+    return min(given) if given else None

@@ -44,6 +44,7 @@ from pdserve.gateways.openai.errors import (
 )
 from pdserve.gateways.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.gateways.openai.responses import ChatFormat, CompletionFormat, TokenTexts
+from pdserve.gateways.ttft_target import TTFT_SLO_HEADER, ttft_slo_ms_from_header
 from pdserve.router.auth.caller import Caller
 from pdserve.router.auth.gate import AuthenticationError, Gate
 from pdserve.router.auth.limits import RateLimitedError
@@ -134,7 +135,7 @@ Authenticated = Annotated[Caller, Depends(_authenticated)]
 
 def _ttft_slo_ms(request: Request) -> int:
     """The client's TTFT target (the `x-slo-ttft-ms` header; 0: none)."""
-    return convert.ttft_slo_ms_from_header(request.headers.get(convert.TTFT_SLO_HEADER))
+    return ttft_slo_ms_from_header(request.headers.get(TTFT_SLO_HEADER))
 
 
 TtftSlo = Annotated[int, Depends(_ttft_slo_ms)]

@@ -26,10 +26,6 @@ from pdserve.gateways.openai.protocol import (
 )
 from pdserve.router.frontend import PUBLIC_SAMPLING
 
-# the client's TTFT target, as llm-d's gateways take it (GenerateRequest.ttft_slo_ms)
-TTFT_SLO_HEADER = "x-slo-ttft-ms"
-UINT32_MAX = 2**32 - 1
-
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions; chat: the context left
 TEXT_PART = "text"
@@ -64,18 +60,6 @@ class RouterRequests:
     requests: list[router_pb2.GenerateRequest]
     n: int
     names: ParamNames
-
-
-def ttft_slo_ms_from_header(value: str | None) -> int:
-    """The client's TTFT target from its `x-slo-ttft-ms` header (llm-d's name): whole
-    milliseconds, as GenerateRequest.ttft_slo_ms takes them; 0 without the header."""
-    if value is None:
-        return 0
-    digits = value.strip()
-    if not (digits.isascii() and digits.isdigit()) or int(digits) > UINT32_MAX:
-        message = f"must be a whole number of milliseconds up to {UINT32_MAX}, got {value!r}"
-        raise bad_request(TTFT_SLO_HEADER, f"{TTFT_SLO_HEADER}: {message}")
-    return int(digits)
 
 
 def choice_seeds(seed: int | None, n: int) -> list[int | None]:
