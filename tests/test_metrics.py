@@ -245,6 +245,29 @@ def test_router_counts_routing_decisions_by_cache_outcome(workload):
     assert workload.delta("router", "pdserve:retries_total") == 0
 
 
+def test_router_counts_clients_ttft_targets_met_and_missed(cluster, workload):
+    """One request whose client allows a minute for its first token, one 1 ms: no prompt
+    gets through the router and a worker that fast."""
+    router = processes(cluster)["router"]
+    before = scrape(router)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with Client(cluster.router_address, timeout=60) as client:
+        for seed, ttft_slo_ms in ((50, 60_000), (51, 1)):
+            list(client.stream(prompt(seed, 8), params, ttft_slo_ms=ttft_slo_ms))
+    name = "pdserve:ttft_target_requests_total"
+    deadline = time.monotonic() + SETTLE_S
+    while True:  # the router counts a request just after its last message went out
+        after = scrape(router)
+        counted = {
+            o: after.value(name, outcome=o) - before.value(name, outcome=o)
+            for o in ("met", "missed")
+        }
+        if counted == {"met": 1, "missed": 1} or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert counted == {"met": 1, "missed": 1}
+
+
 def test_router_holds_no_relay_stream_once_requests_ended(workload):
     assert workload.after["router"].value("pdserve:relay_streams") == 0
 
@@ -420,6 +443,40 @@ def test_a_failed_request_counts_as_error_without_whole_request_latencies(router
     # its prompt never ran: no first token, no prompt tokens counted
     assert sample(router_metrics, "pdserve:time_to_first_token_seconds_count") == 0
     assert sample(router_metrics, "pdserve:prompt_tokens_total") == 0
+
+
+TTFT_TARGETS = {
+    # the request: (what its summary says, the outcome it counts as; None: neither)
+    "first token in time": ((RequestPhase.FINISHED, "length"), {"first_token_at": 100.2}, "met"),
+    "first token late": ((RequestPhase.FINISHED, "length"), {"first_token_at": 100.9}, "missed"),
+    "failed before it": ((RequestPhase.FAILED, ""), {}, "missed"),
+    "failed after it": ((RequestPhase.FAILED, ""), {"first_token_at": 100.1}, "met"),
+    "cancelled before it": ((RequestPhase.CANCELLED, "abort"), {}, None),
+    "late, then cancelled": (
+        (RequestPhase.CANCELLED, "abort"),
+        {"first_token_at": 101.0},
+        "missed",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TTFT_TARGETS))
+def test_a_request_with_a_ttft_target_counts_whether_it_was_met(router_metrics, case):
+    (phase, reason), times, expected = TTFT_TARGETS[case]
+    metrics.record_request(summary(phase, reason, ttft_target_s=0.5, **times))
+
+    counted = {
+        outcome: sample(router_metrics, "pdserve:ttft_target_requests_total", outcome=outcome)
+        for outcome in ("met", "missed")
+    }
+    assert counted == {outcome: float(outcome == expected) for outcome in counted}
+
+
+def test_a_request_without_a_ttft_target_counts_neither_way(router_metrics):
+    metrics.record_request(summary(RequestPhase.FINISHED, "length", first_token_at=109.0))
+
+    for outcome in ("met", "missed"):
+        assert sample(router_metrics, "pdserve:ttft_target_requests_total", outcome=outcome) == 0
 
 
 def test_the_tokens_of_one_message_share_its_gap(router_metrics):

@@ -297,6 +297,7 @@ def test_the_request_span_has_the_genai_attributes_and_no_text(traced):
     assert attributes["gen_ai.request.seed"] == SAMPLING.seed
     assert attributes["pdserve.request.priority"] == -2
     assert attributes["pdserve.request.ttft_slo_ms"] == 30_000
+    assert attributes["pdserve.request.ttft_slo_met"] is True  # 30 s: kept
     assert attributes["gen_ai.response.id"] == "traced-1"
     assert list(attributes["gen_ai.response.finish_reasons"]) == ["length"]
     assert attributes["gen_ai.usage.input_tokens"] == usage.prompt_tokens

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from pdserve.core.phase import RequestPhase
 from pdserve.telemetry.admission_metrics import AdmissionMetrics
 from pdserve.telemetry.endpoint import METRICS_PATH, MetricsServer
+from pdserve.telemetry.slo_metrics import TtftTargetMetrics
 from pdserve.telemetry.summary import RequestSummary
 from pdserve.telemetry.worker_metrics import WatchedOrphans, WatchedWorker, WorkerCollector
 
@@ -124,6 +125,7 @@ class _RouterMetrics:
         self._request_histograms(histogram)
         self._counters(registry)
         self.admission = AdmissionMetrics(registry, self._labels)  # the admission queue's
+        self.ttft_targets = TtftTargetMetrics(registry, self._labels)  # clients' TTFT targets
 
     def _request_histograms(self, histogram) -> None:
         self.e2e = histogram(
@@ -208,6 +210,7 @@ class _RouterMetrics:
         if counter is None:  # a reason newer than this table
             counter = self.request_success.labels(*self._labels, reason)
         counter.inc()
+        self.ttft_targets.record(summary)
         if summary.admitted_at:
             self.queue.observe(summary.queue_time_s)
             if summary.first_token_at:
@@ -286,10 +289,8 @@ class WatchedErrors(Protocol):
 
 class ProcessMetrics:
     """This process's metrics, in a registry of its own, and the endpoint serving them.
-
     A router's registry holds the router's metrics, a worker's the workers'; the other
-    kind is built too, unregistered, so that no recording call needs to ask which.
-    """
+    kind is built too, unregistered, so that no recording call needs to ask which."""
 
     def __init__(self, labels: ProcessLabels, host: str, port: int):
         disable_created_metrics()  # `_created` series would double what Prometheus stores

@@ -22,6 +22,7 @@ from opentelemetry.trace import SpanKind
 from pdserve.api.v1 import common_pb2
 from pdserve.core.phase import RequestPhase
 from pdserve.telemetry import logs, metrics, tracing
+from pdserve.telemetry.slo_metrics import TargetOutcome, ttft_target_outcome
 from pdserve.telemetry.summary import RequestSummary
 
 OPERATION = "text_completion"  # gen_ai.operation.name: a prompt in, its completion out
@@ -108,13 +109,23 @@ def summary_attributes(summary: RequestSummary) -> dict[str, object]:
     }
     if summary.finish_reason:
         attributes["gen_ai.response.finish_reasons"] = [summary.finish_reason]
+    if (outcome := ttft_target_outcome(summary)) is not None:
+        attributes["pdserve.request.ttft_slo_met"] = outcome is TargetOutcome.MET
     return attributes
 
 
 class RequestTelemetry:
     """One request's span, message gaps and, once, its summary (see the module docstring)."""
 
-    __slots__ = ("request_id", "model", "prompt_tokens", "span", "_last_message_at", "_ended")
+    __slots__ = (
+        "request_id",
+        "model",
+        "prompt_tokens",
+        "ttft_target_s",
+        "span",
+        "_last_message_at",
+        "_ended",
+    )
 
     def __init__(
         self,
@@ -127,6 +138,7 @@ class RequestTelemetry:
         ttft_slo_ms: int = 0,
     ):
         self.request_id, self.model, self.prompt_tokens = request_id, model, prompt_tokens
+        self.ttft_target_s = ttft_slo_ms / 1000  # the client's TTFT target; 0.0: none
         # The current context is the caller's trace when its call carried one (rpc_errors).
         # The attributes go in at the start (built only when tracing is on): the sampler
         # sees them, and the span copies them once.
@@ -202,6 +214,7 @@ class RequestTelemetry:
             admitted_at=milestones.admitted_at,
             first_token_at=milestones.first_token_at,
             finished_at=time.monotonic(),
+            ttft_target_s=self.ttft_target_s,
         )
         metrics.record_request(summary)
         logs.request_finished(summary)

@@ -32,6 +32,7 @@ class RequestSummary:
     admitted_at: float  # a decode worker reserved its blocks
     first_token_at: float
     finished_at: float
+    ttft_target_s: float = 0.0  # the client's TTFT target (`ttft_slo_ms`); 0.0: none
 
     @property
     def time_to_first_token_s(self) -> float:
