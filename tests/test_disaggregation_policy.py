@@ -5,6 +5,7 @@ no servers (router/disaggregation.py), and what the router learns from its own r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 import urllib.request
@@ -592,3 +593,36 @@ def _has_series(text: str, **labels: str) -> bool:
         if all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1]) > 0
     return False
+
+
+# -- the client's own TTFT target -----------------------------------------------------------
+
+
+def with_budget(snapshot_: Snapshot, ttft_budget_ms: float) -> Snapshot:
+    return dataclasses.replace(snapshot_, ttft_budget_ms=ttft_budget_ms)
+
+
+def test_a_client_that_allows_seconds_lets_a_busy_pool_keep_the_decodes_tpot():
+    # the pool misses the router's 200 ms (rule 3 would colocate: a target lost either
+    # way), but this client allows 2 s: the prompt goes remote, the decodes keep 50 ms
+    busy_pool = load(queued_tokens=600, num_queued=2, step_ms=250.0, budget=512)
+    short_output = load(num_queued=3, step_ms=15.0, shortest_output=2)
+    plain = snapshot(80, short_output, busy_pool)
+    assert decide(plain, TARGETS).colocated
+    d = decide(with_budget(plain, 2000.0), TARGETS)
+    assert (d.placement, d.reason) == (Placement.REMOTE, Reason.DECODE_TPOT)
+    assert 200 < d.remote_ttft_ms < 2000
+    assert d.attributes()["pdserve.placement.request_ttft_budget_ms"] == 2000.0
+
+
+def test_a_client_that_allows_less_than_the_pool_takes_keeps_its_prompt_colocated():
+    # the router's 200 ms would send it remote (75 ms) for the decodes' TPOT; this
+    # client's 30 ms the pool cannot meet, so rule 3 does not apply and the faster path,
+    # colocated (49 ms), wins
+    pool = load(queued_tokens=20, num_queued=1, step_ms=10.0)
+    short_output = load(num_queued=3, step_ms=15.0, shortest_output=2)
+    plain = snapshot(80, short_output, pool)
+    assert decide(plain, TARGETS).reason is Reason.DECODE_TPOT
+    d = decide(with_budget(plain, 30.0), TARGETS)
+    assert (d.placement, d.reason) == (Placement.COLOCATED, Reason.COLOCATED_FASTER)
+    assert "pdserve.placement.request_ttft_budget_ms" not in decide(plain, TARGETS).attributes()

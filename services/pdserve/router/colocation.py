@@ -153,9 +153,11 @@ class LiveColocation:
         prefill: Sequence[WorkerInfo],
         block_hashes: Sequence[str],
         num_prompt_tokens: int,
+        ttft_budget_ms: float = 0.0,
     ) -> Decision:
         """Where to prefill a prompt whose decode worker is `decode`; `prefill` are the
-        prefill candidates (unhealthy ones, and `decode` itself, are left out)."""
+        prefill candidates (unhealthy ones, and `decode` itself, are left out);
+        `ttft_budget_ms` is what is left of its client's TTFT target (0: none)."""
         candidates = [w for w in prefill if w.healthy and w.address != decode.address]
         self._hash_sets.retain([decode, *candidates])
         errors = self.errors.ms
@@ -167,6 +169,7 @@ class LiveColocation:
             self.hop.ms,
             errors[Placement.REMOTE],
             errors[Placement.COLOCATED],
+            ttft_budget_ms,
         )
         return decide(snapshot, self.targets, self.rule, self.mode)
 

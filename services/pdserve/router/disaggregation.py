@@ -16,10 +16,13 @@ TTFT both ways and what prefilling it would do to the decode worker, and decides
    (every prompt colocated there meanwhile would wait behind it and miss its own): a
    long prompt is never colocated;
 3. it would push the time per output token of the requests decoding there over the
-   TPOT target, and the pool meets the TTFT target: remote (when the pool misses it too,
-   one target is lost either way, and colocating loses less: its stall spread over the
-   running outputs, against a wait in the pool's queue for this prompt and for every
-   long one behind it);
+   TPOT target, and the pool meets the prompt's TTFT target: remote (when the pool
+   misses it too, one target is lost either way, and colocating loses less: its stall
+   spread over the running outputs, against a wait in the pool's queue for this prompt
+   and for every long one behind it). The prompt's target is its client's when it gave
+   one (what is left of `ttft_slo_ms`: a client that allows seconds lets the decode
+   worker's requests keep their TPOT, one that allows less than the router's target keeps
+   its prompt off the slower path), else the router's;
 4. otherwise the faster of the two: a short prompt is prefilled where it is decoded (no
    hop, no transfer) unless the decode worker is the busier, and never waits behind the
    pool's long prefills.
@@ -209,6 +212,12 @@ class Snapshot:
     # what each path's requests waited beyond its estimate, lately (`EstimateErrors`)
     remote_error_ms: float = 0.0
     colocated_error_ms: float = 0.0
+    # what is left of the client's own TTFT target (`Attempt.ttft_budget_ms`); 0: none
+    ttft_budget_ms: float = 0.0
+
+    def pool_ttft_target_ms(self, targets: Targets) -> float:
+        """The TTFT the remote path must meet for rule 3: the client's, else the router's."""
+        return self.ttft_budget_ms or targets.ttft_s * MS
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,6 +283,8 @@ class Decision:
                 "pdserve.placement.colocated_error_ms": s.colocated_error_ms,
             }
         )
+        if s.ttft_budget_ms:
+            attributes["pdserve.placement.request_ttft_budget_ms"] = s.ttft_budget_ms
         return attributes
 
 
@@ -313,7 +324,7 @@ def decide(
     if stall_ms > targets.ttft_s * MS:
         return decision(Placement.REMOTE, Reason.DECODE_STALL)
     remote_expected_ms = max(remote_ms + s.remote_error_ms, 0.0)
-    if tpot_ms > targets.tpot_s * MS and remote_expected_ms <= targets.ttft_s * MS:
+    if tpot_ms > targets.tpot_s * MS and remote_expected_ms <= s.pool_ttft_target_ms(targets):
         return decision(Placement.REMOTE, Reason.DECODE_TPOT)
     if max(colocated_ms + s.colocated_error_ms, 0.0) <= remote_expected_ms:
         return decision(Placement.COLOCATED, Reason.COLOCATED_FASTER)

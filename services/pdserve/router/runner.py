@@ -250,7 +250,11 @@ class RequestRunner:
             )
             prefills = self.dispatches.adjust(pool.prefill)
             placement = self.config.colocation.decide(
-                decodes[0], prefills, attempt.block_hashes, len(attempt.prompt)
+                decodes[0],
+                prefills,
+                attempt.block_hashes,
+                len(attempt.prompt),
+                attempt.ttft_budget_ms(),
             )
             if span.is_recording():
                 cached = placement.snapshot.decode.cached_tokens
