@@ -19,10 +19,11 @@ TTFT both ways and what prefilling it would do to the decode worker, and decides
    TPOT target, and the pool meets the prompt's TTFT target: remote (when the pool
    misses it too, one target is lost either way, and colocating loses less: its stall
    spread over the running outputs, against a wait in the pool's queue for this prompt
-   and for every long one behind it). The prompt's target is its client's when it gave
-   one (what is left of `ttft_slo_ms`: a client that allows seconds lets the decode
-   worker's requests keep their TPOT, one that allows less than the router's target keeps
-   its prompt off the slower path), else the router's;
+   and for every long one behind it). The prompt's target is the router's, or its
+   client's when that allows longer (what is left of `ttft_slo_ms`): a client that allows
+   seconds lets the decode worker's requests keep their TPOT. A client's target tighter
+   than the router's does not colocate more: measured, that put the decode worker's TPOT
+   over its target at 5 req/s (docs/benchmarks.md, issue 16, fourteenth session);
 4. otherwise the faster of the two: a short prompt is prefilled where it is decoded (no
    hop, no transfer) unless the decode worker is the busier, and never waits behind the
    pool's long prefills.
@@ -216,8 +217,9 @@ class Snapshot:
     ttft_budget_ms: float = 0.0
 
     def pool_ttft_target_ms(self, targets: Targets) -> float:
-        """The TTFT the remote path must meet for rule 3: the client's, else the router's."""
-        return self.ttft_budget_ms or targets.ttft_s * MS
+        """The TTFT the remote path must meet for rule 3: the router's target, or what is
+        left of the client's when that is longer."""
+        return max(self.ttft_budget_ms, targets.ttft_s * MS)
 
 
 @dataclass(frozen=True, slots=True)
