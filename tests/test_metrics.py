@@ -451,7 +451,8 @@ TTFT_TARGETS = {
     "first token late": ((RequestPhase.FINISHED, "length"), {"first_token_at": 100.9}, "missed"),
     "failed before it": ((RequestPhase.FAILED, ""), {}, "missed"),
     "failed after it": ((RequestPhase.FAILED, ""), {"first_token_at": 100.1}, "met"),
-    "cancelled before it": ((RequestPhase.CANCELLED, "abort"), {}, None),
+    "cancelled before it passed": ((RequestPhase.CANCELLED, "abort"), {"finished_at": 100.3}, None),
+    "cancelled after it passed": ((RequestPhase.CANCELLED, "abort"), {}, "missed"),
     "late, then cancelled": (
         (RequestPhase.CANCELLED, "abort"),
         {"first_token_at": 101.0},

@@ -4,9 +4,10 @@ queue's are.
 
 A request that carries its client's TTFT target (`GenerateRequest.ttft_slo_ms`, the
 `x-slo-ttft-ms` header) counts once when it ends: `met` when its first token went out
-within the target, `missed` when it went out later or the request failed before it. One
-the client cancelled before its first token counts neither way, and neither does a
-request without a target. `met / (met + missed)` is the share of stated targets kept.
+within the target, `missed` when it went out later, or the request failed before it, or
+its client gave up on it after the target had passed. One the client cancelled while its
+target could still be met counts neither way, and neither does a request without one.
+`met / (met + missed)` is the share of stated targets kept.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ class TargetOutcome(enum.StrEnum):
 
 def ttft_target_outcome(summary: RequestSummary) -> TargetOutcome | None:
     """How the request did against its client's TTFT target; None: it had none, or its
-    client left before the first token."""
+    client left before the target had passed."""
     if not summary.ttft_target_s:
         return None
     if summary.first_token_at:
         met = summary.time_to_first_token_s <= summary.ttft_target_s
         return TargetOutcome.MET if met else TargetOutcome.MISSED
-    if summary.outcome is RequestPhase.CANCELLED:
+    if summary.outcome is RequestPhase.CANCELLED and summary.e2e_latency_s <= summary.ttft_target_s:
         return None
     return TargetOutcome.MISSED
 
