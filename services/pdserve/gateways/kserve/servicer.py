@@ -151,5 +151,4 @@ def _ttft_slo_ms(context) -> int:
 
 def _shorter(first: float | None, second: float | None) -> float | None:
     """The shorter of two timeouts; None is no limit."""
-    given = [timeout for timeout in (first, second) if timeout is not None]
-    return min(given) if given else None
+    return min((t for t in (first, second) if t is not None), default=None)
