@@ -65,10 +65,11 @@ class WorkerProcess:
 
 
 @contextmanager
-def worker_process(role: str, model_dir, *args: str, log_dir=None):
-    """`pdserve serve ROLE` on port 0 with one torch thread; `args` are further flags."""
+def worker_process(role: str, model_dir, *args: str, log_dir=None, env=None):
+    """`pdserve serve ROLE` on port 0 with one torch thread; `args` are further flags,
+    `env` variables beside the test's own."""
     cmd = worker_args(role, str(model_dir), args, port=0, threads=1)
-    with pdserve_process(cmd, log_dir) as child:
+    with pdserve_process(cmd, log_dir, env) as child:
         fields = child.fields
         yield WorkerProcess(
             role, fields["address"], int(fields["blocks"]), child.proc, child.log_path
@@ -84,10 +85,10 @@ def router_process(model_dir, redis_url: str, *args: str, log_dir=None):
 
 
 @contextmanager
-def pdserve_process(args: list[str], log_dir=None):
+def pdserve_process(args: list[str], log_dir=None, env=None):
     """Run `python -m pdserve ARGS` until its ready line; SIGTERM it afterwards."""
     name = f"{'-'.join(args[:2])}-{time.time_ns()}"
-    child = spawn(name, args, str(log_dir or "/tmp"))
+    child = spawn(name, args, str(log_dir or "/tmp"), env)
     try:
         yield wait_ready(child)
     finally:

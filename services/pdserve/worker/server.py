@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.core.checkpoint import model_fingerprint
+from pdserve.engine.huge_pages import use_huge_pages
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transfer import channel_options, keep_freed_memory
 from pdserve.rpc import server as rpc_server
@@ -131,6 +132,8 @@ def server_options(config: WorkerConfig, side_ports: Sequence[SidePort] = ()) ->
 async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set or SIGTERM/SIGINT arrives, then drain and exit."""
     keep_freed_memory()  # KV messages are MBs each: reuse their buffers, don't refault them
+    # before the model's first tensor: torch decides once, at its first allocation
+    log.info("huge pages for weights and KV: %s", "on" if use_huge_pages() else "off")
     app = WorkerApp(config)
     options = server_options(config, app.side_ports)
     # with mTLS, each call's certificate role is checked against rpc/roles.py's table
