@@ -15,6 +15,12 @@ from pdserve.state.redis_server import redis_url as _redis_url
 # (`--prefill-placement live`: tests/test_disaggregation_policy.py). Children inherit it.
 os.environ.setdefault("PDSERVE_PREFILL_PLACEMENT", "remote")
 
+# The suite's workers keep 4 KiB pages. Huge pages (a worker's default: engine/huge_pages.py)
+# made each worker start 1-2 s later on the 2-core VMs, its 1 GiB KV cache zeroed in 2 MiB
+# faults, and the suite starts many workers. Their own tests ask for the default
+# (tests/test_huge_pages.py). Children inherit it.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "0")
+
 
 @pytest.fixture(scope="session")
 def redis_url():

@@ -4,7 +4,9 @@ A decode step reads every weight and each running request's KV. Through 4 KiB pa
 that is a TLB miss every few hundred bytes of a 220 MB model; 2 MiB pages take
 those misses away. Measured on a 2-core Intel Xeon VM, the demo model's decode steps
 took 3-7% less time with them, in the engine alone and in a cluster (docs/benchmarks.md,
-issue 16), at no cost in memory: a worker's resident set is the same either way.
+issue 16), at no cost in memory: a worker's resident set is the same either way. The
+price is paid once, at start-up: there a worker took 1-2 s longer to be ready, the
+kernel zeroing its 1 GiB KV cache in 2 MiB faults at half the speed of 4 KiB ones.
 
 torch backs its CPU allocations of 2 MiB and more with huge pages (`madvise`) when the
 `THP_MEM_ALLOC_ENABLE` variable is 1. It reads the variable once, at its first
