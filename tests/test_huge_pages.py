@@ -11,20 +11,11 @@ from pathlib import Path
 import pytest
 from procs import worker_process
 
-from pdserve.engine.huge_pages import KERNEL_THP_MODE, THP_ENV, kernel_grants_huge_pages
+from pdserve.engine import huge_pages
+from pdserve.engine.huge_pages import THP_ENV, KernelThpMode, kernel_thp_mode
 
 KV_CACHE_BYTES = 64 << 20
-kernel_grants = pytest.mark.skipif(
-    not kernel_grants_huge_pages(), reason="this kernel grants no transparent huge pages"
-)
-
-
-def kernel_mode() -> str:
-    """The bracketed word of the kernel's THP mode: always, madvise or never."""
-    try:
-        return re.search(r"\[(\w+)\]", KERNEL_THP_MODE.read_text()).group(1)
-    except OSError:
-        return "never"
+MODE = kernel_thp_mode()
 
 
 def huge_page_bytes(pid: int) -> int:
@@ -46,14 +37,33 @@ ASK = (
 )
 
 
+@pytest.mark.parametrize(
+    ("text", "mode"),
+    [
+        ("always [madvise] never\n", KernelThpMode.MADVISE),
+        ("[always] madvise never\n", KernelThpMode.ALWAYS),
+        ("always madvise [never]\n", KernelThpMode.NEVER),
+        ("always madvise [inherit] never\n", KernelThpMode.NEVER),  # a word it does not know
+        ("", KernelThpMode.NEVER),
+        (None, KernelThpMode.NEVER),  # a kernel without THP: no file
+    ],
+)
+def test_the_kernel_s_mode_is_its_bracketed_word(tmp_path, monkeypatch, text, mode):
+    path = tmp_path / "enabled"
+    if text is not None:
+        path.write_text(text)
+    monkeypatch.setattr(huge_pages, "KERNEL_THP_MODE", path)
+    assert kernel_thp_mode() is mode
+
+
 def test_use_huge_pages_asks_torch_for_them_unless_the_environment_said_no():
     paths = {"PYTHONPATH": ":".join(sys.path)}
-    granted = kernel_grants_huge_pages()
+    granted = MODE is not KernelThpMode.NEVER
     assert in_fresh_python(ASK, paths) == f"{granted} 1"
     assert in_fresh_python(ASK, {**paths, THP_ENV: "0"}) == "False 0"
 
 
-@kernel_grants
+@pytest.mark.skipif(MODE is KernelThpMode.NEVER, reason="this kernel grants no huge pages")
 def test_a_worker_s_kv_cache_lives_in_huge_pages(demo_model_dir, tmp_path, monkeypatch):
     monkeypatch.delenv(THP_ENV, raising=False)  # the worker's own default decides
     kv = ("--kv-cache-bytes", str(KV_CACHE_BYTES))
@@ -62,7 +72,7 @@ def test_a_worker_s_kv_cache_lives_in_huge_pages(demo_model_dir, tmp_path, monke
         assert "huge pages for weights and KV: on" in Path(worker.log_path).read_text()
 
 
-@pytest.mark.skipif(kernel_mode() != "madvise", reason="only `madvise` leaves it to torch")
+@pytest.mark.skipif(MODE is not KernelThpMode.MADVISE, reason="only `madvise` leaves it to torch")
 def test_thp_mem_alloc_enable_0_keeps_a_worker_on_small_pages(demo_model_dir, tmp_path):
     kv = ("--kv-cache-bytes", str(KV_CACHE_BYTES))
     env = {THP_ENV: "0"}

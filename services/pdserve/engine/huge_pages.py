@@ -16,11 +16,21 @@ allocation, so a process asks before it creates any tensor. The kernel has the l
 
 from __future__ import annotations
 
+import enum
 import os
+import re
 from pathlib import Path
 
 THP_ENV = "THP_MEM_ALLOC_ENABLE"
 KERNEL_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+class KernelThpMode(enum.StrEnum):
+    """When the kernel backs anonymous memory with huge pages."""
+
+    ALWAYS = "always"  # wherever it can, advised or not
+    MADVISE = "madvise"  # where the process advised MADV_HUGEPAGE (torch, when asked)
+    NEVER = "never"  # nowhere; also a kernel without THP
 
 
 def use_huge_pages() -> bool:
@@ -28,14 +38,14 @@ def use_huge_pages() -> bool:
     keeps them off). Call before the process's first tensor. Returns whether they are
     asked for and the kernel grants them on request."""
     os.environ.setdefault(THP_ENV, "1")
-    return os.environ[THP_ENV] == "1" and kernel_grants_huge_pages()
+    return os.environ[THP_ENV] == "1" and kernel_thp_mode() is not KernelThpMode.NEVER
 
 
-def kernel_grants_huge_pages() -> bool:
-    """Whether the kernel backs memory advised MADV_HUGEPAGE with huge pages: its mode
-    (the bracketed word) is `always` or `madvise`; False on kernels without THP."""
+def kernel_thp_mode() -> KernelThpMode:
+    """The kernel's mode: the bracketed word of KERNEL_THP_MODE (`always [madvise] never`);
+    NEVER where the file is missing or names a mode this module does not know."""
     try:
-        mode = KERNEL_THP_MODE.read_text()
-    except OSError:
-        return False
-    return "[never]" not in mode
+        found = re.search(r"\[(\w+)\]", KERNEL_THP_MODE.read_text())
+        return KernelThpMode(found.group(1))
+    except (OSError, AttributeError, ValueError):  # no file, no bracketed word, another word
+        return KernelThpMode.NEVER
