@@ -10,7 +10,8 @@ from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-LABELS = ("model_name", "role", "worker")  # as every pdserve metric (metrics.LABELS)
+from pdserve.telemetry.labels import LABELS
+
 # Most waits are 0 (a slot was free); the rest run up to --queue-timeout (10 s default).
 WAIT_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 

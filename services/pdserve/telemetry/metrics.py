@@ -28,11 +28,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from pdserve.core.phase import RequestPhase
 from pdserve.telemetry.admission_metrics import AdmissionMetrics
 from pdserve.telemetry.endpoint import METRICS_PATH, MetricsServer
+from pdserve.telemetry.labels import LABELS
 from pdserve.telemetry.slo_metrics import TtftTargetMetrics
 from pdserve.telemetry.summary import RequestSummary
 from pdserve.telemetry.worker_metrics import WatchedOrphans, WatchedWorker, WorkerCollector
 
-LABELS = ("model_name", "role", "worker")
 ROUTER_ROLE = "router"
 # vLLM's buckets (vllm/v1/metrics/loggers.py), so that dashboards made for vLLM read ours
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0)

@@ -17,9 +17,8 @@ import enum
 from prometheus_client import CollectorRegistry, Counter
 
 from pdserve.core.phase import RequestPhase
+from pdserve.telemetry.labels import LABELS
 from pdserve.telemetry.summary import RequestSummary
-
-LABELS = ("model_name", "role", "worker")  # as every pdserve metric (metrics.LABELS)
 
 
 class TargetOutcome(enum.StrEnum):
