@@ -45,6 +45,14 @@ def test_temperature_zero_is_argmax():
     assert out.logprobs == [None] * 8
 
 
+def test_greedy_ties_go_to_the_first_token_as_in_hugging_face():
+    logits = torch.zeros(3, 32000)  # a real vocabulary's width: the vectorized reduction
+    logits[0, [7, 31000]] = 1.0
+    logits[1, [30000, 30001]] = 1.0
+    out = sample(logits, *[state(temperature=0.0) for _ in range(3)])
+    assert out.token_ids == [7, 30000, 0]
+
+
 def test_temperature_samples_the_tempered_distribution():
     probs = [0.5, 0.25, 0.15, 0.1]
     temperature = 0.7
