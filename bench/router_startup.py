@@ -73,7 +73,7 @@ def main() -> None:
             redis.stop()
     ready, rss = zip(*runs, strict=True)
     loaded = subprocess.run(
-        [sys.executable, "-c", "import sys, pdserve.router.server; print('torch' in sys.modules)"],
+        [sys.executable, "-c", "import sys, pdserve.router_server; print('torch' in sys.modules)"],
         capture_output=True,
         text=True,
         check=True,

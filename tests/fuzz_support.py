@@ -229,7 +229,7 @@ def start_router(servers: InProcessServers, model_dir, redis_url: str, **setting
     with static discovery."""
     from pdserve.router.config import DiscoveryKind, RouterConfig
     from pdserve.router.disaggregation import PlacementMode
-    from pdserve.router.server import RouterApp, server_options
+    from pdserve.router_server import RouterApp, server_options
 
     settings.setdefault("prefill_placement", PlacementMode.REMOTE)  # fuzz the KV path too
     config = RouterConfig(

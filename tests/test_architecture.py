@@ -4,7 +4,9 @@
   grpc, not even through another pdserve package, and nothing of pdserve outside itself.
 - `pdserve.engine` knows nothing of the network: no gRPC, no Redis, and of pdserve only
   the engine and the core.
-- The client loads neither torch nor redis; the router's server module loads no torch.
+- The router imports no front door (`pdserve.gateways`): those translate their protocols
+  to the router's `Frontend`, and the router process (`pdserve.router_server`) mounts both.
+- The client loads neither torch nor redis; the router process's module loads no torch.
 - No file in services/ over 400 lines, no function over 50 (the generated stubs aside).
 - No formatter-suppression comments: the code is written the way ruff formats it.
 
@@ -136,18 +138,29 @@ def _forbidden_imports(package: str, forbidden: tuple[str, ...]) -> list[str]:
     return found
 
 
+def _within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def _pdserve_imports(package: str) -> list[tuple[str, str]]:
+    """(module, name) for each pdserve module or package a module of `package` imports."""
+    return [
+        (module, name)
+        for module in _modules()
+        if _within(module, (package,))
+        for name in sorted(_imports(module))
+        if _top_level(name) == "pdserve" and name != "pdserve"
+    ]
+
+
 def _imports_outside(package: str, allowed: tuple[str, ...]) -> list[str]:
     """`module imports name` for each pdserve import of `package` outside `allowed`."""
-    found = []
-    for module in _modules():
-        if module != package and not module.startswith(package + "."):
-            continue
-        for name in sorted(_imports(module)):
-            if _top_level(name) != "pdserve" or name == "pdserve":
-                continue
-            if not any(name == a or name.startswith(a + ".") for a in allowed):
-                found.append(f"{module} imports {name}")
-    return found
+    return [f"{m} imports {n}" for m, n in _pdserve_imports(package) if not _within(n, allowed)]
+
+
+def _imports_into(package: str, target: str) -> list[str]:
+    """`module imports name` for each import of `target` by a module of `package`."""
+    return [f"{m} imports {n}" for m, n in _pdserve_imports(package) if _within(n, (target,))]
 
 
 def test_the_import_graph_sees_every_module():
@@ -177,6 +190,12 @@ def test_engine_imports_only_the_engine_and_the_core():
     assert not found, "the engine depends on the core alone:\n" + "\n".join(found)
 
 
+def test_the_router_imports_no_front_door():
+    found = _imports_into("pdserve.router", "pdserve.gateways")
+    assert not found, "the gateways sit above the router:\n" + "\n".join(found)
+    assert _imports_into("pdserve.router_server", "pdserve.gateways")  # where they are mounted
+
+
 # -- what a process loads at run time -----------------------------------------------------
 
 
@@ -197,8 +216,8 @@ def test_importing_the_client_loads_neither_torch_nor_redis():
     assert _loaded_after_import("pdserve.client", ("torch", "redis")) == []
 
 
-def test_importing_the_router_server_loads_no_torch():
-    assert _loaded_after_import("pdserve.router.server", ("torch",)) == []
+def test_importing_the_router_process_loads_no_torch():
+    assert _loaded_after_import("pdserve.router_server", ("torch",)) == []
 
 
 # -- sizes --------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from opentelemetry.trace import (
     format_trace_id,
 )
 
+from pdserve import router_server
 from pdserve.api.v1 import router_pb2, router_pb2_grpc
 from pdserve.client import AsyncClient
 from pdserve.cluster.processes import service_env
@@ -45,7 +46,6 @@ from pdserve.core.model_config import ModelConfig
 from pdserve.core.phase import RequestPhase
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.config import EngineConfig
-from pdserve.router import server as router_server
 from pdserve.router.config import RouterConfig
 from pdserve.router.disaggregation import PlacementMode
 from pdserve.router.session import Progress

@@ -12,7 +12,7 @@ from pdserve.router.config import RouterConfig
 
 
 def _main():
-    from pdserve.router.server import main
+    from pdserve.router_server import main
 
     return main
 

@@ -1,4 +1,9 @@
-"""The router process: public gRPC API over the worker pools, state in Redis."""
+"""The router process: public gRPC API over the worker pools, state in Redis.
+
+It builds the router (`pdserve.router`) and mounts the front doors beside its own API
+(`pdserve.gateways`: KServe on the same gRPC port, OpenAI over HTTP), which translate
+their protocols to the router's `Frontend`; so it sits above both, and the router never
+imports a gateway."""
 
 from __future__ import annotations
 
