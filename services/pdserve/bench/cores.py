@@ -14,14 +14,21 @@ cores over a 4 req/s run had its engine thread running 0.91 of the time mid-run)
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pdserve.bench.machine import OWN, REST
 
-if TYPE_CHECKING:
-    from pdserve.bench.report import RateRun
-
 NOT_ROLES = (OWN, REST)
+
+
+class MeasuredRate(Protocol):
+    """What the split reads of one rate's run (`report.RateRun`)."""
+
+    @property
+    def rate(self) -> float: ...
+
+    @property
+    def cores(self) -> Mapping[str, float]: ...
 
 
 def cluster_cores(cores: Mapping[str, float]) -> float | None:
@@ -31,7 +38,9 @@ def cluster_cores(cores: Mapping[str, float]) -> float | None:
     return sum(roles) if roles else None
 
 
-def split_table(runs: Sequence[RateRun], cpus: int | None) -> tuple[list[str], list[list[str]]]:
+def split_table(
+    runs: Sequence[MeasuredRate], cpus: int | None
+) -> tuple[list[str], list[list[str]]]:
     """The header and a row per rate: cores used by each role, by the benchmark, by the
     rest of the machine, and left idle of `cpus` (unknown without /proc/stat or `cpus`);
     no rows when no rate was measured on this machine's /proc."""
