@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve.core.sampling_params import SamplingParams
-from pdserve.engine.sampler import Sampler, SamplingState
+from pdserve.engine.sampler import Sampler, SamplingState, _apply_filters
 
 NUM_DRAWS = 4000  # rows per frequency check; with fixed seeds every check is deterministic
 
@@ -118,6 +118,46 @@ def test_filters_touch_only_their_own_rows():
     assert set(token_ids[0::2].tolist()) == {0, 1, 2, 3}
 
 
+def sorted_filters(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The filters' definition, written the plain way: a stable sort of the whole
+    vocabulary, then the first top-k, the first whose mass above them is under top-p of
+    what top-k left, and min-p of the largest."""
+    out = torch.zeros_like(probs)
+    for row, q in enumerate(params):
+        p, order = probs[row].sort(descending=True, stable=True)
+        keep = torch.arange(len(p)) < (q.top_k or len(p))
+        p = p * keep
+        if q.top_p < 1.0:
+            keep &= p.cumsum(0) - p < q.top_p * p.sum()
+        keep &= p >= q.min_p * p[0]
+        out[row, order] = p * keep
+    return out
+
+
+FILTER_CASES = [
+    dict(top_k=k, top_p=tp, min_p=mp)
+    for k in (0, 1, 3, 255, 256, 257, 2000)
+    for tp in (1.0, 0.999, 0.9, 0.3, 1e-6)
+    for mp in (0.0, 0.02, 0.5)
+    if k or tp < 1.0 or mp
+]
+
+
+@pytest.mark.parametrize("vocab_size,spread", [(7, 3.0), (300, 3.0), (32000, 1.0), (32000, 8.0)])
+def test_filters_keep_what_a_stable_sort_of_the_vocabulary_keeps(vocab_size, spread):
+    # Flat rows (a top-p set of thousands: the sort after the first candidates) and peaked
+    # ones; logits rounded to a few levels, so ties straddle the cuts, kept in index order.
+    params = [SamplingParams(**case) for case in FILTER_CASES]
+    gen = torch.Generator().manual_seed(vocab_size)
+    logits = (torch.randn(len(params), vocab_size, generator=gen) * spread).round(decimals=1)
+    probs = torch.softmax(logits, dim=-1)
+    filtered = _apply_filters(probs, params)
+    assert torch.equal(filtered, sorted_filters(probs, params))
+    mixed = [params[0], SamplingParams(), params[-1]]  # a row without filters in between
+    assert torch.equal(_apply_filters(probs[:3], mixed)[1], probs[1])
+
+
+# --- penalties (crafted logits, read through greedy picks) -------------------------------------
 # --- penalties (crafted logits, read through greedy picks) -------------------------------------
 
 

@@ -40,6 +40,9 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # one per row; None where params.logprobs is None
 
 
+# How many of a row's most likely tokens top-p looks among first (docs/benchmarks.md,
+# issue 3: a top-k of 256 takes 2 ms for 16 rows of 32,000, where a sort takes 32).
+FIRST_CANDIDATES = 256
 _GOLDEN = 0x9E3779B97F4A7C15  # 2**64 / phi: spreads consecutive positions far apart
 
 
@@ -161,17 +164,64 @@ def _apply_filters(probs: torch.Tensor, params: list[SamplingParams]) -> torch.T
     top_p = _to_device([p.top_p for p in kept], torch.float32, device)[:, None]
     min_p = _to_device([p.min_p for p in kept], torch.float32, device)[:, None]
 
-    # stable: ties keep index order, so what survives never depends on the batch
-    p, order = _select(probs, rows, idx).sort(dim=-1, descending=True, stable=True)  # [M, V]
-    keep = torch.arange(vocab_size, device=device) < top_k
-    p = p.masked_fill(~keep, 0.0)
-    # top-p on the distribution left by top-k: keep a token while the mass above it is < top_p.
-    # top_p == 1 is skipped outright, since rounding in cumsum could drop the tail.
-    mass_above = p.cumsum(dim=-1) - p
-    keep &= (mass_above < top_p * p.sum(dim=-1, keepdim=True)) | (top_p >= 1.0)
-    keep &= p >= min_p * p[:, :1]
-    filtered = torch.zeros_like(p).scatter_(-1, order, p.masked_fill_(~keep, 0.0))
+    p = _select(probs, rows, idx)  # [M, V]
+    # Top-k and top-p keep a row's n most likely tokens, in the order of a stable sort
+    # (ties in index order, so what survives never depends on the batch). On CPU a full
+    # sort of the vocabulary costs more than a decode step (32 ms for 16 rows of 32,000),
+    # so n is found among each row's largest first: its top-k, FIRST_CANDIDATES for top-p,
+    # one for min-p alone (and one more, to see whether a tie goes on past them); over the
+    # whole vocabulary only for rows whose top-p set is larger.
+    first = max(q.top_k or (FIRST_CANDIDATES if q.top_p < 1.0 else 1) for q in kept)
+    candidates = vocab_size if device.type != "cpu" else min(vocab_size, first + 1)
+    values = p.topk(candidates, dim=-1).values  # [M, K], descending
+    n, decided = _kept_counts(values, top_k, top_p, p)
+    if candidates < vocab_size and not bool(decided.all()):
+        values = p.sort(dim=-1, descending=True).values
+        n, _ = _kept_counts(values, top_k, top_p, p)
+    keep = _first_in_order(p, values, n)
+    if any(q.min_p for q in kept):
+        keep &= p >= min_p * values[:, :1]
+    filtered = p.masked_fill(~keep, 0.0)
     return filtered if len(rows) == len(params) else probs.index_copy(0, idx, filtered)
+
+
+def _kept_counts(
+    values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many tokens top-k then top-p keep in each row ([M, 1]), from the row's K largest
+    probabilities in descending order (`values`, [M, K]; top_k <= K or the vocabulary's
+    size), and whether the K decided it: a top-p cut past them is not known yet."""
+    num_candidates, vocab_size = values.shape[1], p.shape[1]
+    within_k = torch.arange(num_candidates, device=p.device) < top_k
+    values = values * within_k
+    # top-p on the distribution left by top-k: keep a token while the mass above it is <
+    # top_p of it. top_p == 1 is skipped outright, since rounding in cumsum could drop the tail.
+    mass = values.sum(dim=-1, keepdim=True)  # summed largest first, as a sort would
+    if num_candidates < vocab_size:  # what top-k left is past the candidates without top-k
+        mass = torch.where(top_k >= vocab_size, p.sum(dim=-1, keepdim=True), mass)
+    mass_above = values.cumsum(dim=-1) - values
+    by_p = ((mass_above < top_p * mass) & within_k).sum(dim=-1, keepdim=True)
+    n = torch.where(top_p >= 1.0, top_k, by_p)
+    return n, (top_p >= 1.0) | (by_p < num_candidates) | (top_k <= num_candidates)
+
+
+def _first_in_order(p: torch.Tensor, values: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """[M, V] bool: each row's n most likely tokens, ties taken in index order (a stable
+    sort's first n), without sorting: those above the n-th largest value, then as many of
+    those equal to it as are left, lowest index first. `values`: each row's largest
+    probabilities in descending order, n + 1 of them at least where n < V."""
+    vocab_size, num_candidates = p.shape[1], values.shape[1]
+    nth = values.gather(1, n.clamp(max=num_candidates) - 1)
+    every = n >= vocab_size
+    left = n - (values > nth).sum(dim=-1, keepdim=True)  # what is above is among the values
+    # Usually every token equal to the n-th is kept (a tie across the cut is rare), and
+    # one comparison does it; else index order. The values hold one more than n (or all
+    # V), so a tie that runs on past them shows here as more ties than are left.
+    split = (values == nth).sum(dim=-1, keepdim=True) > left
+    if p.device.type == "cpu" and not bool((split & ~every).any()):  # no sync off the CPU
+        return (p >= nth) | every
+    ties = p == nth
+    return (p > nth) | (ties & (ties.cumsum(dim=-1) <= left)) | every
 
 
 def _to_output(
