@@ -16,6 +16,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model
 
 GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+GREEDY_8 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
 def random_prompts(lengths, seed=0, vocab=1000):
@@ -99,6 +100,19 @@ def test_chunked_prefill_equals_unchunked(demo_model_dir):
     chunked = LLMEngine.from_pretrained(demo_model_dir, max_num_batched_tokens=24)
     outs = chunked.generate(prompts, GREEDY_32)
     assert [o.token_ids for o in outs] == [o.token_ids for o in whole]
+
+
+def test_long_prompts_in_chunks_and_after_a_long_cached_prefix_match_transformers(hf_checkpoint):
+    # 256-token chunks: from the fifth on, each attends to over 1,024 earlier tokens apart
+    # from its own (attention.prefix_apart); so does a prompt after a 1,088-token cache hit.
+    _, path = hf_checkpoint
+    shared, tail, other_tail = random_prompts([1100, 300, 150], seed=10)
+    engine = LLMEngine.from_pretrained(path, max_num_batched_tokens=256)
+    reference = hf_model(path)
+    for prompt in (shared + tail, shared + other_tail):
+        [out] = engine.generate([prompt], GREEDY_8)
+        assert out.token_ids == hf_greedy(reference, prompt, max_new_tokens=8)
+    assert out.num_cached_tokens >= 1024
 
 
 def test_prefix_cache_hits_equal_misses(demo_model_dir):

@@ -15,6 +15,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+# On CPU a prefix this long, before this many new tokens, is attended apart: `prefix_apart`.
+MERGE_MIN_PREFIX_TOKENS = 1024
+MERGE_MIN_NEW_TOKENS = 64
 
 
 @dataclass(slots=True)
@@ -23,11 +28,14 @@ class PrefillSpan:
 
     token_start: int  # first row of this sequence in the flattened batch
     num_new_tokens: int
-    # Rows of the cache to attend to, [context_len], or None when the context is
-    # exactly the new tokens (fresh prompt, no window): then the new K/V are used
-    # directly with a causal mask and nothing is gathered.
+    # Rows of the cache to gather and attend to: with `mask`, the whole context
+    # [context_len]; without, the tokens before the new ones [start], which every new
+    # token sees in full (a later chunk of a prompt, or a prompt after its cached
+    # prefix). None when the context is exactly the new tokens (a fresh prompt): their
+    # K/V are used directly with a causal mask and nothing is gathered.
     key_slots: torch.Tensor | None
-    # [num_new_tokens, context_len] bool, True = may attend; None = plain causal.
+    # [num_new_tokens, context_len] bool, True = may attend (a sliding window that cuts
+    # into the context); None = causal among the new tokens, after the prefix if any.
     mask: torch.Tensor | None
 
 
@@ -75,12 +83,13 @@ def paged_attention(
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_start + span.num_new_tokens)
         if span.key_slots is None:
-            keys, values = k[rows], v[rows]
+            out[rows] = _sdpa(q[rows], k[rows], v[rows], None, scale)
+            continue
+        keys, values = layer_cache.index_select(1, span.key_slots).unbind(0)
+        if span.mask is not None:
+            out[rows] = _sdpa(q[rows], keys, values, span.mask, scale)
         else:
-            keys, values = layer_cache.index_select(1, span.key_slots).unbind(0)
-        out[rows] = _sdpa(
-            q[rows].unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), span.mask, scale
-        )[0]
+            out[rows] = _prefix_then_causal(q[rows], k[rows], v[rows], keys, values, scale)
     for batch in meta.decodes:
         rows = slice(batch.token_start, batch.token_start + batch.num_seqs)
         blocks = layer_cache.view(2, -1, *batch.kv_buffer.shape[2:])
@@ -108,8 +117,9 @@ def _decode_sdpa(q, k, v, mask, scale):
 
 
 def _sdpa(q, k, v, mask, scale):
-    """q: [B, Lq, H, D], k/v: [B, Lk, KVH, D] -> [B, Lq, H, D]."""
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    """q: [Lq, H, D], k/v: [Lk, KVH, D] -> [Lq, H, D]; `mask` None: causal (top-left).
+    Passed with a batch dimension: without one, the CPU kernel is not used."""
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     out = F.scaled_dot_product_attention(
         q,
         k,
@@ -119,4 +129,56 @@ def _sdpa(q, k, v, mask, scale):
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
-    return out.transpose(1, 2)
+    return out[0].transpose(0, 1)
+
+
+def prefix_apart(device: torch.device, num_prefix: int, num_new: int) -> bool:
+    """Whether new tokens attend to the tokens before them in a call of their own
+    (`PrefillSpan` without a mask) rather than in one masked call over the whole context.
+
+    SDPA's causal mask is aligned top-left (query i sees keys 0..i), so one call over
+    prefix and new keys together takes a bottom-right mask, which CUDA's kernels apply
+    natively and the CPU kernel computes in full. On CPU, attending apart (`_merged_on_cpu`)
+    took 0.82x-0.92x the masked call's time with 1,024-1,536 tokens before 128-512 new ones
+    (each 512-token chunk of a long prompt from its third on), the same with 512, and up to
+    twice it with short prefixes or few new tokens, where its extra calls cost more than
+    the mask (docs/benchmarks.md, issue 16, seventeenth session).
+    """
+    if device.type != "cpu":
+        return True
+    return num_prefix >= MERGE_MIN_PREFIX_TOKENS and num_new >= MERGE_MIN_NEW_TOKENS
+
+
+def _prefix_then_causal(q, k, v, prefix_k, prefix_v, scale):
+    """q, k, v: the new tokens' [Lq, H or KVH, D]; prefix_k/v: [P, KVH, D], the tokens
+    before them, which every new token sees -> [Lq, H, D] (see `prefix_apart`)."""
+    if q.device.type == "cpu":
+        return _merged_on_cpu(q, k, v, prefix_k, prefix_v, scale)
+    keys, values = torch.cat((prefix_k, k)), torch.cat((prefix_v, v))
+    return _sdpa(q, keys, values, causal_lower_right(len(q), len(keys)), scale)
+
+
+def _merged_on_cpu(q, k, v, prefix_k, prefix_v, scale):
+    """The prefix without a mask (the query heads that share a KV head passed as its
+    query rows, as in `_decode_sdpa`), the new tokens causally among themselves, merged
+    by their log-sum-exps: the softmax over both parts."""
+    num_new, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    heads_first = q.transpose(0, 1).unsqueeze(0)  # [1, H, Lq, D]
+    grouped = heads_first.reshape(1, k.shape[1], group * num_new, head_dim)
+    before, before_lse = _flash_cpu(grouped, prefix_k, prefix_v, False, scale)
+    new_k, new_v = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    among, among_lse = _flash_cpu(heads_first, new_k, new_v, True, scale)
+    before = before.reshape(num_heads, num_new, head_dim)
+    share = torch.sigmoid(before_lse.reshape(num_heads, num_new) - among_lse[0]).unsqueeze(-1)
+    out = among[0] + (before - among[0]) * share
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def _flash_cpu(q, k, v, is_causal: bool, scale: float):
+    """q: [1, heads, Lq, D], k/v: [Lk, heads, D] -> (out [1, heads, Lq, D], log-sum-exp
+    [1, heads, Lq]): the CPU kernel SDPA runs, called for its log-sum-exp too."""
+    k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, is_causal, scale=scale
+    )

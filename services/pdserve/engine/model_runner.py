@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.core.block_hash import num_blocks_for
-from pdserve.engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan
+from pdserve.engine.attention import AttentionMetadata, DecodeBatch, PrefillSpan, prefix_apart
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.models.llama import LayerDoneCallback, LlamaFamilyModel
 from pdserve.engine.request import Request
@@ -124,8 +124,12 @@ class ModelRunner:
         start, num_new = s.start, s.num_new_tokens
         context = start + num_new
         window = self.sliding_window
-        if start == 0 and (window is None or context <= window):
+        whole = window is None or context <= window  # each new token sees all before it
+        if whole and start == 0:
             return PrefillSpan(row, num_new, key_slots=None, mask=None)
+        if whole and prefix_apart(self.device, start, num_new):
+            prefix_slots = self._slots(s.request.block_ids, 0, start)
+            return PrefillSpan(row, num_new, prefix_slots.to(self.device), mask=None)
         query_pos = torch.arange(start, context).unsqueeze(1)
         key_pos = torch.arange(context).unsqueeze(0)
         mask = key_pos <= query_pos
