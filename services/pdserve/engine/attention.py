@@ -139,10 +139,11 @@ def prefix_apart(device: torch.device, num_prefix: int, num_new: int) -> bool:
     SDPA's causal mask is aligned top-left (query i sees keys 0..i), so one call over
     prefix and new keys together takes a bottom-right mask, which CUDA's kernels apply
     natively and the CPU kernel computes in full. On CPU, attending apart (`_merged_on_cpu`)
-    took 0.82x-0.92x the masked call's time with 1,024-1,536 tokens before 128-512 new ones
+    took 0.80x-0.92x the masked call's time with 1,024-3,072 tokens before 128-512 new ones
     (each 512-token chunk of a long prompt from its third on), the same with 512, and up to
     twice it with short prefixes or few new tokens, where its extra calls cost more than
-    the mask (docs/benchmarks.md, issue 16, seventeenth session).
+    the mask (bench/chunked_prefill_bench.py; docs/benchmarks.md, issue 16, seventeenth
+    session).
     """
     if device.type != "cpu":
         return True
