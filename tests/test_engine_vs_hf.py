@@ -103,7 +103,7 @@ def test_chunked_prefill_equals_unchunked(demo_model_dir):
 
 
 def test_long_prompts_in_chunks_and_after_a_long_cached_prefix_match_transformers(hf_checkpoint):
-    # 256-token chunks: from the fifth on, each attends to over 1,024 earlier tokens apart
+    # 256-token chunks: from the fifth on, each attends to its 1,024 or more earlier tokens apart
     # from its own (attention.prefix_apart); so does a prompt after a 1,088-token cache hit.
     _, path = hf_checkpoint
     shared, tail, other_tail = random_prompts([1100, 300, 150], seed=10)
