@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     print(describe(f"torch {torch.__version__}"))
     print(f"load average at start: {load_average()}")
-    config = ModelConfig.from_dir(args.model)
+    config = ModelConfig.load(args.model)
     with torch.inference_mode():
         print_table(HEADER, [attention_row(config, *shape) for shape in SHAPES])
     lengths = [int(n) for n in args.prompts.split(",")]

@@ -160,7 +160,7 @@ def test_renders_and_tokenizes_as_transformers(
     checkpoint, hf_tokenizer, conversation, add_generation_prompt
 ):
     messages = CONVERSATIONS[conversation]
-    template = ChatTemplate.from_dir(checkpoint)
+    template = ChatTemplate.load(checkpoint)
     expected = hf_tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=False
     )
@@ -175,7 +175,7 @@ def test_renders_and_tokenizes_as_transformers(
 def test_a_template_that_refuses_the_roles_is_an_invalid_request_naming_messages(
     tmp_path, demo_model_dir
 ):
-    template = ChatTemplate.from_dir(write_checkpoint(tmp_path / "m", demo_model_dir, "mistral"))
+    template = ChatTemplate.load(write_checkpoint(tmp_path / "m", demo_model_dir, "mistral"))
     twice = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     with pytest.raises(InvalidRequestError, match="roles must alternate") as caught:
         template.render(twice)
@@ -185,7 +185,7 @@ def test_a_template_that_refuses_the_roles_is_an_invalid_request_naming_messages
 def test_templates_run_sandboxed(tmp_path, demo_model_dir):
     model = shutil.copytree(demo_model_dir, tmp_path / "m")
     (model / "chat_template.jinja").write_text("{{ messages.__class__.__mro__ }}")
-    template = ChatTemplate.from_dir(model)
+    template = ChatTemplate.load(model)
     with pytest.raises(InvalidRequestError) as caught:
         template.render([{"role": "user", "content": "hi"}])
     assert caught.value.field == "messages"
@@ -194,7 +194,7 @@ def test_templates_run_sandboxed(tmp_path, demo_model_dir):
 def test_chat_template_jinja_beats_the_config_field(tmp_path, demo_model_dir):
     model = shutil.copytree(demo_model_dir, tmp_path / "m")
     (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
-    assert ChatTemplate.from_dir(model).render([{"role": "user", "content": "hi"}]) == "hi!"
+    assert ChatTemplate.load(model).render([{"role": "user", "content": "hi"}]) == "hi!"
 
 
 def test_a_model_without_a_template_has_none(tmp_path, demo_model_dir):
@@ -202,11 +202,11 @@ def test_a_model_without_a_template_has_none(tmp_path, demo_model_dir):
     config = json.loads((model / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    assert ChatTemplate.from_dir(model) is None
+    assert ChatTemplate.load(model) is None
 
 
 def test_a_malformed_template_fails_the_load_naming_the_line(tmp_path, demo_model_dir):
     model = shutil.copytree(demo_model_dir, tmp_path / "m")
     (model / "chat_template.jinja").write_text("ok\n{% for m in messages %}")
     with pytest.raises(ModelLoadError, match="line 2"):
-        ChatTemplate.from_dir(model)
+        ChatTemplate.load(model)

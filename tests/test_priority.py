@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from pdserve.api.v1 import decode_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from pdserve.client import AsyncClient
 from pdserve.cluster.local import ClusterShape, LocalCluster
+from pdserve.core.checkpoint import served_name
 from pdserve.core.errors import InvalidRequestError
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
@@ -26,7 +27,6 @@ from pdserve.gateways.openai.convert import completion_requests
 from pdserve.gateways.openai.protocol import CompletionRequest
 from pdserve.gateways.ttft_target import ttft_slo_ms_from_header
 from pdserve.rpc.wire import sampling_params_to_proto
-from pdserve.telemetry.request import served_model_name
 
 PROMPT_TOKENS = 600  # 150 steps of 4 tokens on the prefill worker
 STEP_TOKENS = 4
@@ -131,7 +131,7 @@ async def answer_over_kserve(cluster, text: str, **options) -> float:
     sampling.set_data_from_numpy(np.array([b'{"max_tokens": 1}'], dtype=np.object_))
     client = triton.InferenceServerClient(cluster.router_address)
     try:
-        model = served_model_name(cluster.model)
+        model = served_name(cluster.model)
         await client.infer(model, [prompt, sampling], client_timeout=60, **options)
         return time.monotonic()
     finally:

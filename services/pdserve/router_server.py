@@ -191,10 +191,10 @@ class RouterApp:
 
 
 def _frontend(config: RouterConfig, runner, store) -> Frontend:
-    model_config = ModelConfig.from_dir(config.model)
+    model_config = ModelConfig.load(config.model)
     return Frontend(
         model_name=config.model_name,
-        tokenizer=Tokenizer.from_dir(config.model),
+        tokenizer=Tokenizer.load(config.model),
         model_config=model_config,
         max_model_len=model_config.max_position_embeddings,
         runner=runner,

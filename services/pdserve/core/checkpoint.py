@@ -1,5 +1,7 @@
-"""A checkpoint on disk: its safetensors files, and its fingerprint (what two workers
-compare before trusting each other's KV). No torch: the router reads these too."""
+"""A checkpoint on disk, in either layout pdserve loads: a Hugging Face directory
+(`config.json`, safetensors files) or a GGUF file (`gguf_file`). Which one a `--model`
+names, its served name, and its fingerprint (what two workers compare before trusting
+each other's KV). No torch: the router reads these too."""
 
 from __future__ import annotations
 
@@ -9,7 +11,9 @@ import struct
 from pathlib import Path
 
 from pdserve.core.errors import ModelLoadError
+from pdserve.core.gguf_file import GGUFCheckpoint
 
+GGUF_SUFFIX = ".gguf"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -17,6 +21,34 @@ INDEX_FILE = "model.safetensors.index.json"
 # seconds; the headers (names, dtypes, shapes, offsets) plus sampled bytes of the
 # data tell apart different checkpoints, and different random initialisations.
 SAMPLE_BYTES = 1 << 20
+
+
+def find_gguf(model: str | Path) -> Path | None:
+    """The GGUF file `model` names: a `.gguf` file, or a directory without `config.json`
+    holding one. None for a Hugging Face directory (or a path that is neither)."""
+    path = Path(model)
+    if path.suffix == GGUF_SUFFIX and not path.is_dir():
+        if not path.is_file():
+            raise ModelLoadError(f"{path}: no such GGUF file")
+        return path
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    found = sorted(path.glob("*" + GGUF_SUFFIX))
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise ModelLoadError(f"{path}: holds several GGUF files ({names}); name one")
+    return found[0] if found else None
+
+
+def served_name(model: str | Path) -> str:
+    """The name a model is served under by default: its directory's, or its GGUF file's
+    without the quantization (`SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`)."""
+    path = Path(model)
+    if path.suffix != GGUF_SUFFIX:
+        return path.name or str(model)
+    stem = path.stem
+    base, dot, quant = stem.rpartition(".")
+    return base if dot and base and quant.upper() == quant else stem
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -38,8 +70,11 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def model_fingerprint(model_dir: str | Path) -> str:
-    model_dir = Path(model_dir)
+def model_fingerprint(model: str | Path) -> str:
+    gguf = find_gguf(model)
+    if gguf is not None:
+        return GGUFCheckpoint.open(gguf).fingerprint()
+    model_dir = Path(model)
     digest = hashlib.sha256()
     digest.update((model_dir / "config.json").read_bytes())
     for path in weight_files(model_dir):

@@ -1,5 +1,5 @@
-"""A model's shape, as read from its Hugging Face `config.json`. No torch: every
-process (router, workers, client tools) reads it."""
+"""A model's shape, as read from its Hugging Face `config.json` (or a GGUF's metadata,
+in the same terms). No torch: every process (router, workers, client tools) reads it."""
 
 from __future__ import annotations
 
@@ -8,9 +8,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.core.checkpoint import find_gguf
 from pdserve.core.errors import ModelLoadError
+from pdserve.core.gguf_file import GGUFCheckpoint
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# A config.json without `architectures` names its family by `model_type`, as transformers
+# and llama.cpp's converter read it.
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +54,14 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
+    def load(cls, model: str | Path) -> ModelConfig:
+        """The config of what `--model` names: a GGUF file, or a Hugging Face directory."""
+        gguf = find_gguf(model)
+        if gguf is not None:
+            return cls.from_dict(GGUFCheckpoint.open(gguf).hf_config(), source=str(gguf))
+        return cls.from_dir(model)
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
@@ -58,10 +75,15 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         architectures = raw.get("architectures") or []
-        arch = architectures[0] if architectures else None
+        arch = architectures[0] if architectures else _MODEL_TYPES.get(raw.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:
+            named = (
+                f"is {architectures!r}"
+                if architectures
+                else f"is missing and field 'model_type' is {raw.get('model_type')!r}"
+            )
             raise ModelLoadError(
-                f"{source}: field 'architectures' is {architectures!r}; "
+                f"{source}: field 'architectures' {named}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         get = _Getter(raw, source)

@@ -52,13 +52,13 @@ def _call_with_plan(callback: StepLayerCallback, plan: SchedulerOutput, layer: i
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model_config = ModelConfig.from_dir(config.model)
+        self.model_config = ModelConfig.load(config.model)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
         )
         self.device = torch.device(config.device)
-        self.tokenizer = Tokenizer.from_dir(config.model)
+        self.tokenizer = Tokenizer.load(config.model)
         model = load_model(
             config.model, self.model_config, self.max_model_len, self.device, config.torch_dtype
         )

@@ -1,6 +1,7 @@
-"""Load Hugging Face safetensors weights into `LlamaFamilyModel`.
+"""Load a checkpoint's weights into `LlamaFamilyModel`.
 
-Reads `model.safetensors`, or the shards listed by `model.safetensors.index.json`.
+Reads `model.safetensors`, or the shards listed by `model.safetensors.index.json`, or a
+GGUF file (its tensors dequantized under Hugging Face names by `core.gguf_file`).
 Hugging Face names map onto ours one to one except for the fused projections:
 q/k/v_proj -> qkv_proj (concatenated in that order) and gate/up_proj -> gate_up_proj.
 """
@@ -13,8 +14,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pdserve.core.checkpoint import weight_files
+from pdserve.core.checkpoint import find_gguf, weight_files
 from pdserve.core.errors import ModelLoadError
+from pdserve.core.gguf_file import GGUFCheckpoint
 from pdserve.core.model_config import ModelConfig
 from pdserve.engine.models import LlamaFamilyModel
 from pdserve.engine.models.cpu_linear import can_prepack, prepack_linears
@@ -41,6 +43,7 @@ class _Checkpoint:
     """Lazy name -> tensor access across all shards."""
 
     def __init__(self, files: list[Path]):
+        self.files = ", ".join(p.name for p in files)
         self.handles, self.where = [], {}
         for path in files:
             try:
@@ -53,15 +56,36 @@ class _Checkpoint:
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self.where:
-            files = ", ".join(sorted({p.name for p, _ in self.where.values()}))
-            raise ModelLoadError(f"{files}: tensor '{name}' is missing")
+            raise ModelLoadError(f"{self.files}: tensor '{name}' is missing")
         return self.where[name][1].get_tensor(name)
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
 
-def _source_tensor(ckpt: _Checkpoint, name: str) -> torch.Tensor:
+class _GGUFTensors:
+    """A GGUF's tensors, each dequantized as the model asks for it."""
+
+    def __init__(self, path: Path):
+        self.files = path.name
+        self.gguf = GGUFCheckpoint.open(path)
+        self.names = self.gguf.tensor_names()
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise ModelLoadError(f"{self.files}: tensor '{name}' is missing")
+        return torch.from_numpy(self.gguf.tensor(name))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names
+
+
+def _open(model: Path) -> _Checkpoint | _GGUFTensors:
+    gguf = find_gguf(model)
+    return _Checkpoint(weight_files(model)) if gguf is None else _GGUFTensors(gguf)
+
+
+def _source_tensor(ckpt: _Checkpoint | _GGUFTensors, name: str) -> torch.Tensor:
     """Our parameter `name` built from the checkpoint's tensors."""
     match = _LAYER.match(name)
     if match is None:
@@ -79,7 +103,7 @@ def load_model(
     dtype: torch.dtype,
 ) -> LlamaFamilyModel:
     model_dir = Path(model_dir)
-    ckpt = _Checkpoint(weight_files(model_dir))
+    ckpt = _open(model_dir)
     with torch.device("meta"):
         model = LlamaFamilyModel(config, max_positions, dtype)
     tied = config.tie_word_embeddings or "lm_head.weight" not in ckpt
@@ -91,7 +115,7 @@ def load_model(
         if tuple(tensor.shape) != tuple(param.shape):
             raise ModelLoadError(
                 f"{model_dir}: tensor for '{name}' has shape {tuple(tensor.shape)}, "
-                f"config.json implies {tuple(param.shape)}"
+                f"its config implies {tuple(param.shape)}"
             )
         params[name] = tensor.to(device=device, dtype=dtype)
     if tied:

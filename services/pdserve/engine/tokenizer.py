@@ -1,5 +1,5 @@
-"""Text in and out of token ids: a Hugging Face `tokenizer.json`, streaming detokenization and
-stop strings.
+"""Text in and out of token ids: a Hugging Face `tokenizer.json` (or a GGUF's tokenizer
+metadata), streaming detokenization and stop strings.
 
 The engine itself only sees token ids; these classes sit at its edges, turning a prompt into
 ids and a stream of sampled ids back into a stream of text deltas.
@@ -14,7 +14,10 @@ from pathlib import Path
 
 import tokenizers
 
+from pdserve.core.checkpoint import find_gguf
 from pdserve.core.errors import InvalidRequestError, ModelLoadError
+from pdserve.core.gguf_file import GGUFCheckpoint
+from pdserve.engine.gguf_tokenizer import gguf_tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -42,6 +45,20 @@ class Tokenizer:
         self._backend = backend
         self._eos_token_ids = eos_token_ids
         self._bos_token_id = bos_token_id
+
+    @classmethod
+    def load(cls, model: str | Path) -> Tokenizer:
+        """The tokenizer of what `--model` names: a GGUF file, or a Hugging Face directory."""
+        gguf = find_gguf(model)
+        if gguf is None:
+            return cls.from_dir(model)
+        vocab = GGUFCheckpoint.open(gguf).vocab()
+        stops = {vocab.eos_token_id, vocab.eot_token_id} - {None}
+        return cls(
+            gguf_tokenizer(vocab, str(gguf)),
+            eos_token_ids=frozenset(stops),
+            bos_token_id=vocab.bos_token_id,
+        )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:

@@ -2,12 +2,13 @@
 
 The template comes from the model directory: `chat_template.jinja` if present, else the
 `chat_template` field of `tokenizer_config.json` (a string, or a list of named templates
-of which `default` is used). Templates come from model hubs, so they are untrusted code:
-they run in Jinja2's immutable sandbox, with the environment transformers gives them
-(`trim_blocks`, `lstrip_blocks`, loop controls, a `tojson` that does not escape HTML,
-`raise_exception`, `strftime_now`) and the special tokens' strings (`bos_token`,
-`eos_token`, ...) as variables. The prompt is then tokenized with no special tokens
-added, as transformers does: the template writes them itself.
+of which `default` is used); from a GGUF, its `tokenizer.chat_template`. Templates
+come from model hubs, so they are untrusted code: they run in Jinja2's immutable sandbox,
+with the environment transformers gives them (`trim_blocks`, `lstrip_blocks`, loop
+controls, a `tojson` that does not escape HTML, `raise_exception`, `strftime_now`) and
+the special tokens' strings (`bos_token`, `eos_token`, ...) as variables. The prompt is
+then tokenized with no special tokens added, as transformers does: the template writes
+them itself.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from pdserve.core.checkpoint import find_gguf
 from pdserve.core.errors import InvalidRequestError, ModelLoadError
+from pdserve.core.gguf_file import GGUFCheckpoint
 from pdserve.engine.tokenizer import Tokenizer, read_json_object
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -123,27 +126,39 @@ class ChatTemplate:
     tokenizer: Tokenizer
 
     @classmethod
-    def from_dir(
-        cls, model_dir: str | Path, tokenizer: Tokenizer | None = None
-    ) -> ChatTemplate | None:
-        """The model's template, tokenizing with `tokenizer` (the router's; None: the
-        model's own, loaded here); None when the model has no template.
+    def load(cls, model: str | Path, tokenizer: Tokenizer | None = None) -> ChatTemplate | None:
+        """The template of what `--model` names (a GGUF file or a Hugging Face directory),
+        tokenizing with `tokenizer` (the router's; None: the model's own, loaded here);
+        None when the model has no template.
 
         Raises:
             ModelLoadError: a template file or field that is malformed (naming it).
         """
-        model_dir = Path(model_dir)
-        config = read_json_object(model_dir / TOKENIZER_CONFIG_FILE)
-        source = _template_source(model_dir, config)
+        gguf = find_gguf(model)
+        if gguf is None:
+            config = read_json_object(Path(model) / TOKENIZER_CONFIG_FILE)
+            source = _template_source(Path(model), config)
+            special_tokens = _special_tokens(config, Path(model))
+        else:
+            vocab = GGUFCheckpoint.open(gguf).vocab()
+            source = vocab.chat_template
+            special_tokens = {
+                name: vocab.tokens[token_id]
+                for name, token_id in (
+                    ("bos_token", vocab.bos_token_id),
+                    ("eos_token", vocab.eos_token_id),
+                    ("unk_token", vocab.unk_token_id),
+                    ("pad_token", vocab.pad_token_id),
+                )
+                if token_id is not None
+            }
         if source is None:
             return None
         try:
             template = _environment().from_string(source)
         except jinja2.exceptions.TemplateSyntaxError as exc:
-            raise ModelLoadError(f"{model_dir}: chat template line {exc.lineno}: {exc}") from exc
-        if tokenizer is None:
-            tokenizer = Tokenizer.from_dir(model_dir)
-        return cls(source, _special_tokens(config, model_dir), template, tokenizer)
+            raise ModelLoadError(f"{model}: chat template line {exc.lineno}: {exc}") from exc
+        return cls(source, special_tokens, template, tokenizer or Tokenizer.load(model))
 
     def render(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True

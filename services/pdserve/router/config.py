@@ -10,6 +10,7 @@ import enum
 import uuid
 from dataclasses import dataclass, field
 
+from pdserve.core.checkpoint import served_name
 from pdserve.core.listen import check_bind, check_port
 from pdserve.core.sampling_params import (
     MAX_STOP_LENGTH,
@@ -33,7 +34,6 @@ from pdserve.router.policy import DEFAULT_PREFILL_POLICY, PREFILL_POLICIES, Colo
 from pdserve.router.relay import DEFAULT_STREAM_PROGRESS_TIMEOUT_S
 from pdserve.telemetry.logs import LogConfig
 from pdserve.telemetry.metrics import MetricsConfig
-from pdserve.telemetry.request import served_model_name
 
 # Requests waiting for a running slot: four times the default --max-inflight, so a burst
 # of 5x what runs waits instead of being refused; each holds its prompt (at most
@@ -337,7 +337,7 @@ class RouterConfig:
     @property
     def model_name(self) -> str:
         """The name clients ask for: --served-model-name, else the model directory's name."""
-        return self.served_model_name or served_model_name(self.model)
+        return self.served_model_name or served_name(self.model)
 
     @property
     def colocation(self) -> LiveColocation:

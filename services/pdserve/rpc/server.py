@@ -37,6 +37,7 @@ from google.protobuf.descriptor import FileDescriptor, ServiceDescriptor
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 
+from pdserve.core.errors import ModelLoadError
 from pdserve.rpc.registration import Service, add_servicer
 from pdserve.rpc.tls import TlsFileError
 from pdserve.telemetry import logs
@@ -308,8 +309,9 @@ def run(main: Coroutine, *, role: str, process_id: str, log_config: LogConfig) -
     """A server process's main: log lines as `log_config` says, each naming this process
     (its `role` and id), then run the coroutine `main`; its exit status.
 
-    A server that cannot listen, or whose TLS files cannot be used, says so in one log
-    line (naming the flag) and exits with EXIT_FAILURE.
+    A server that cannot listen, whose TLS files cannot be used, or whose model cannot
+    be loaded (a file, a field, an architecture or tensor type not served) says so in one
+    log line (naming the flag or the file) and exits with EXIT_FAILURE.
     """
     logs.configure(log_config, role=role, process_id=process_id)
     _process.is_server = True
@@ -317,6 +319,9 @@ def run(main: Coroutine, *, role: str, process_id: str, log_config: LogConfig) -
         asyncio.run(main)
     except (ListenError, TlsFileError) as exc:
         log.error("%s", exc)
+        return EXIT_FAILURE
+    except ModelLoadError as exc:
+        log.error("--model: %s", exc)
         return EXIT_FAILURE
     return 0
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from pathlib import Path
 from typing import Protocol
 
 from opentelemetry import trace
@@ -27,11 +26,6 @@ from pdserve.telemetry.summary import RequestSummary
 
 OPERATION = "text_completion"  # gen_ai.operation.name: a prompt in, its completion out
 PROVIDER = "pdserve"  # gen_ai.provider.name
-
-
-def served_model_name(model_dir: str) -> str:
-    """The model's name in spans and log lines: its directory's name."""
-    return Path(model_dir).name or model_dir
 
 
 def failure_text(error: BaseException) -> str:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.core.checkpoint import model_fingerprint
+from pdserve.core.checkpoint import model_fingerprint, served_name
 from pdserve.engine.huge_pages import use_huge_pages
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kv.transfer import channel_options, keep_freed_memory
@@ -20,7 +20,6 @@ from pdserve.rpc.tls import server_tls
 from pdserve.state.registry import WorkerRegistry, heartbeat
 from pdserve.telemetry import metrics, tracing
 from pdserve.telemetry.metrics import ProcessLabels, ProcessMetrics
-from pdserve.telemetry.request import served_model_name
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.services import KV_TRANSFER, WorkerServices
 from pdserve.worker.worker import Worker
@@ -58,7 +57,7 @@ class WorkerApp:
     async def start(self, port: int) -> dict[str, object]:
         config = self.config
         engine, fingerprint = await asyncio.to_thread(_load_engine, config)
-        labels = ProcessLabels(served_model_name(config.model), config.role, config.worker_id)
+        labels = ProcessLabels(served_name(config.model), config.role, config.worker_id)
         self.metrics = metrics.serve(labels, config.host, config.metrics)
         metrics_port = self.metrics.port if self.metrics is not None else None
         kv_port = next((side.bound_port for side in self.side_ports if side.name == "kv"), None)

@@ -67,7 +67,7 @@ class HttpServer:
     ) -> HttpServer:
         """Serve on `host:port` from now on; OSError if the port is taken. `gate` checks
         the API keys (None: no keys, as the router's gRPC port without a key file)."""
-        template = ChatTemplate.from_dir(model_dir, frontend.tokenizer)
+        template = ChatTemplate.load(model_dir, frontend.tokenizer)
         app = create_app(OpenAIGateway(frontend, template, metrics, gate))
         config = uvicorn.Config(
             ServerSend(BodyLimit(app, frontend.limits.max_json_body_bytes())),
