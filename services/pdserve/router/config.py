@@ -66,7 +66,10 @@ class RouterConfig:
     """Everything one router process needs, validated once."""
 
     model: str = field(
-        metadata={"help": "model directory (tokenizer and config; weights optional)"}
+        metadata={
+            "help": "model: a Hugging Face directory (tokenizer and config; weights optional) "
+            "or a GGUF file"
+        }
     )
     redis_url: str = field(
         metadata={"help": "Redis: request state and the worker registry", "env": ("REDIS_URL",)}
