@@ -131,3 +131,37 @@ def _write_tokenizer(writer: gguf.GGUFWriter, hf_dir: Path, vocab_size: int, pre
     writer.add_add_bos_token("<s>" in json.dumps(spec["post_processor"]))
     if config.get("chat_template"):
         writer.add_chat_template(config["chat_template"])
+
+
+def write_sentencepiece_gguf(out: Path, model_proto: bytes) -> Path:
+    """A GGUF holding only a SentencePiece tokenizer, as llama.cpp's converter writes a
+    Llama 2 one: pieces, scores and types, no merges, BOS added."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_proto=model_proto)
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    kinds = [
+        gguf.TokenType.UNKNOWN
+        if sp.is_unknown(i)
+        else gguf.TokenType.CONTROL
+        if sp.is_control(i)
+        else gguf.TokenType.BYTE
+        if sp.is_byte(i)
+        else gguf.TokenType.NORMAL
+        for i in range(len(pieces))
+    ]
+    writer = gguf.GGUFWriter(out, "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(pieces)
+    writer.add_token_scores([sp.get_score(i) for i in range(len(pieces))])
+    writer.add_token_types([int(kind) for kind in kinds])
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    writer.add_unk_token_id(sp.unk_id())
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

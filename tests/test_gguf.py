@@ -7,13 +7,14 @@ from __future__ import annotations
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
 import transformers
-from gguf_support import write_gguf
+from gguf_support import write_gguf, write_sentencepiece_gguf
 
 from pdserve.core.checkpoint import find_gguf, model_fingerprint, served_name
 from pdserve.core.errors import ModelLoadError
@@ -181,3 +182,54 @@ def test_a_worker_given_a_gguf_it_cannot_serve_exits_with_one_line(tmp_path):
     assert done.returncode == 1
     assert "Traceback" not in done.stderr
     assert "architecture 'gpt2' is not served" in done.stderr.strip().splitlines()[-1]
+
+
+def train_sentencepiece(corpus: list[str]) -> bytes:
+    """A BPE SentencePiece model as Llama 2's is trained: byte fallback, digits apart, no
+    normalization, a space put before the text."""
+    import io
+
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus),
+        model_writer=model,
+        vocab_size=600,
+        model_type="bpe",
+        byte_fallback=True,
+        split_digits=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        minloglevel=2,
+    )
+    return model.getvalue()
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_sentencepiece_does(tmp_path):
+    """SentencePiece itself is the oracle here: transformers' GGUF tokenizer cuts a run of
+    spaces differently from it ("   leading" -> three pieces against SentencePiece's two).
+    Special tokens written in the text are left out: pdserve matches them whole, as
+    transformers does, where SentencePiece reads them as text."""
+    import sentencepiece
+
+    from pdserve.engine import demo_model
+
+    corpus = (Path(demo_model.__file__).parent / "demo_corpus.txt").read_text().splitlines()
+    proto = train_sentencepiece(corpus)
+    path = write_sentencepiece_gguf(tmp_path / "spm.gguf", proto)
+    reference = sentencepiece.SentencePieceProcessor(model_proto=proto)
+    ours = Tokenizer.load(path)
+    texts = [t for t in TEXTS if "<s>" not in t]
+    for text in [*texts, *corpus[:50], "a\nb\n\n  c", "x" * 40, "ünïcödé ∑ 📦"]:
+        ids = ours.encode(text)
+        assert ids == [reference.bos_id(), *reference.encode(text)], text
+        assert ours.decode(ids) == reference.decode(ids[1:])
+    assert ours.bos_token_id == reference.bos_id()
+    assert ours.eos_token_ids == {reference.eos_id()}
