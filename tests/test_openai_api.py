@@ -38,6 +38,31 @@ def cluster(demo_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def live_cluster(demo_model_dir, tmp_path_factory):
+    """The same cluster with the router's default placement (`live`: short prompts are
+    prefilled on their decode worker when that is faster); `cluster`'s is the suite's,
+    `remote`. Only the tests whose answer depends on the path start it."""
+    shape = ClusterShape(prefill=1, decode=1)
+    run_dir = tmp_path_factory.mktemp("openai-api-live")
+    with LocalCluster(
+        str(demo_model_dir),
+        shape,
+        run_dir,
+        http_port=0,
+        served_model_name=MODEL,
+        router_args=["--prefill-placement", "live"],
+    ) as local:
+        yield local
+
+
+@pytest.fixture(params=["remote", "live"])
+def placed(request) -> tuple[str, LocalCluster]:
+    """(the placement, the module's cluster routing with it)."""
+    name = "cluster" if request.param == "remote" else "live_cluster"
+    return request.param, request.getfixturevalue(name)
+
+
+@pytest.fixture(scope="module")
 def client(cluster):
     with openai.OpenAI(base_url=cluster.openai_url, api_key="unused", max_retries=0) as c:
         yield c
@@ -143,12 +168,36 @@ def test_a_stream_on_the_wire_is_data_events_then_usage_then_done(cluster, nativ
     assert 1 <= len(chunks) <= NUM_TOKENS
 
 
-def test_a_repeated_prompt_reports_its_cached_tokens(client):
+def test_a_repeated_prompt_reports_its_cached_tokens_in_either_placement(placed):
+    placement, local = placed
     long_prompt = PROMPT * 8  # several full KV blocks: the second run finds them cached
-    first = client.completions.create(model=MODEL, prompt=long_prompt, **GREEDY)
-    again = client.completions.create(model=MODEL, prompt=long_prompt, **GREEDY)
+    with (
+        openai.OpenAI(base_url=local.openai_url, api_key="unused", max_retries=0) as client,
+        Client(local.router_address) as native,
+    ):
+        [block_size] = {worker.block_size for worker in native.list_workers()}
+        first = client.completions.create(model=MODEL, prompt=long_prompt, **GREEDY)
+        again = client.completions.create(model=MODEL, prompt=long_prompt, **GREEDY)
+        streamed = list(
+            client.completions.create(
+                model=MODEL,
+                prompt=long_prompt,
+                stream=True,
+                stream_options={"include_usage": True},
+                **GREEDY,
+            )
+        )
+        info = native.get_request(again.id.removeprefix("cmpl-"))
     assert first.choices[0].text == again.choices[0].text
-    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    # every full block but the one holding the last token (the model computes that one)
+    cacheable = (first.usage.prompt_tokens - 1) // block_size * block_size
+    assert cacheable > 0
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == cacheable
+    assert streamed[-1].usage.prompt_tokens_details.cached_tokens == cacheable
+    # live: this short prompt was prefilled on its idle decode worker, from its cache
+    colocated = info.prefill_worker == info.decode_worker
+    assert colocated == (placement == "live"), info
 
 
 def test_seeded_sampling_is_reproducible_and_n_choices_are_indexed(client):

@@ -81,6 +81,17 @@ def test_one_message_for_several_steps_keeps_tokens_text_and_the_final_usage():
     assert list(merged.text_ends) == [5, 6, 6, 8, 8, 12, 14]
 
 
+def test_a_generations_first_message_brings_its_cached_tokens_a_decode_after_a_prefill_not():
+    # a colocated prompt's cached tokens come with its first token, as a prefill's do
+    prompt = list(range(40))
+    steps = [RequestOutput("r", prompt, [11 + i], "x", num_cached_tokens=32) for i in range(3)]
+    first, second = deltas_to_proto(steps[:1], 1), deltas_to_proto(steps[1:2], 2)
+    assert (first.usage.prompt_tokens, first.usage.cached_prompt_tokens) == (40, 32)
+    assert not second.HasField("usage")
+    # a decode worker's stream after a prefill worker's first token starts at output 1
+    assert not deltas_to_proto(steps[1:3], 3).HasField("usage")
+
+
 def test_one_step_per_message_needs_no_text_ends():
     assert all(not m.text_ends for m in messages([1] * len(STEPS)))
 

@@ -106,7 +106,7 @@ class Progress:
     decode_worker: str = ""
     decode_request_id: str = ""  # its name on the decode worker
     num_attempts: int = 0
-    cached_prompt_tokens: int = 0  # as the prefill worker found them in its cache
+    cached_prompt_tokens: int = 0  # as the engine that computed the prompt found them cached
     received_at: float = 0.0  # the router took the call
     admitted_at: float = 0.0  # a decode worker reserved its blocks
     first_token_at: float = 0.0
@@ -373,7 +373,8 @@ class RequestSession:
         if self.progress.phase is not RequestPhase.DECODING:
             now = time.monotonic()
             if self.progress.phase is RequestPhase.PREFILLING:  # colocated: no prefill hop,
-                self.progress.first_token_at = now  # the first token comes with the stream
+                self.progress.first_token_at = now  # the first token comes with the stream,
+                self.progress.cached_prompt_tokens = delta.usage.cached_prompt_tokens  # usage too
             self.progress.first_decode_at = now
             self._enter(RequestPhase.DECODING)
         self._deliver(delta)

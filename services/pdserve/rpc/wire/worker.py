@@ -21,7 +21,9 @@ def ttft_deadline_from_proto(ttft_budget_ms: int, received_at: float) -> float:
 
 
 def deltas_to_proto(deltas: list[RequestOutput], num_output_tokens: int) -> decode_pb2.TokenDelta:
-    """Consecutive step outputs of one request as one TokenDelta; usage rides on the final one.
+    """Consecutive step outputs of one request as one TokenDelta; usage rides on the final
+    one, and on the first of a stream that starts at output token 0 (a colocated prompt's:
+    its cached tokens are known once it is computed, as a prefill worker's first token says).
 
     `num_output_tokens` counts every output token up to the last of `deltas`. Several
     outputs get `text_ends` (see decode.proto), so dropping leading tokens keeps the
@@ -49,7 +51,7 @@ def deltas_to_proto(deltas: list[RequestOutput], num_output_tokens: int) -> deco
         finish_reason=FINISH_REASONS[last.finish_reason if last.finished else None],
         text_ends=text_ends,
     )
-    if last.finished:
+    if last.finished or num_output_tokens == len(token_ids):  # the last, or the first
         msg.usage.prompt_tokens = len(last.prompt_token_ids)
         msg.usage.completion_tokens = num_output_tokens
         msg.usage.cached_prompt_tokens = last.num_cached_tokens
