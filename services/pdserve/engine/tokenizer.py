@@ -101,6 +101,15 @@ class Tokenizer:
         """
         return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def encode_batch(
+        self, texts: Sequence[str], *, add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """`encode` of each text, on the tokenizer's own threads."""
+        return [
+            e.ids
+            for e in self._backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        ]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Ids the tokenizer does not know (a padded model vocabulary) decode to nothing."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
