@@ -64,6 +64,12 @@ class RequestResult:
         return [b - a for a, b in zip(t, t[1:], strict=False)]
 
 
+def sampling_params(request: PlannedRequest) -> SamplingParams:
+    """Greedy, and ignoring EOS: every request generates exactly its planned `max_tokens`
+    (a dataset's reply length, or a drawn one), so runs compare the same work."""
+    return SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
+
+
 async def send_one(
     client: AsyncClient,
     request: PlannedRequest,
@@ -82,7 +88,7 @@ async def send_one(
         sent - start,
         repeat=request.repeat,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
+    params = sampling_params(request)
     try:
         async with asyncio.timeout_at(asyncio.get_running_loop().time() + deadline - sent):
             target = ttft_slo_ms(request.kind) if ttft_slo_ms is not None else 0

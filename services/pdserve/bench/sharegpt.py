@@ -53,9 +53,16 @@ def iter_conversations(path: Path) -> Iterator[list[dict]]:
     """Each item's `conversations` (a list of {"from", "value"} turns), in file order,
     up to the last item the file holds whole."""
     decoder = json.JSONDecoder()
-    with path.open(encoding="utf-8") as f:
-        buffer, at, eof = f.read(_CHUNK_CHARS), 0, False
-        at = buffer.index("[") + 1
+    try:
+        f = path.open(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"the ShareGPT file {path}: {exc.strerror}") from exc
+    with f:
+        buffer, eof = f.read(_CHUNK_CHARS), False
+        at = len(buffer) - len(buffer.lstrip())
+        if not buffer.startswith("[", at):
+            raise ValueError(f"{path}: not ShareGPT's format, a JSON array of conversations")
+        at += 1
         while True:
             while at < len(buffer) and buffer[at] in _SEPARATORS:
                 at += 1
@@ -124,7 +131,7 @@ def sharegpt_workload(model: str, max_model_len: int | None, path: Path | None) 
     from pdserve.engine.tokenizer import Tokenizer
 
     context = ModelConfig.load(model).max_position_embeddings
-    limit = min(max_model_len or context, context)
+    limit = context if max_model_len is None else min(max_model_len, context)  # as the engine
     pairs = sharegpt_pairs(Tokenizer.load(model), limit, path)
     if not pairs:
         raise ValueError(f"no ShareGPT pair fits a context of {limit} tokens")

@@ -92,9 +92,12 @@ class BenchConfig(Sweep):
 
 
 def _workload(args: argparse.Namespace) -> Workload:
+    sharegpt = args.workload == SHAREGPT and not args.prompt_len
+    if not sharegpt and (args.sharegpt_path or args.max_model_len is not None):
+        raise ValueError("--sharegpt-path and --max-model-len go with --workload sharegpt")
     if args.prompt_len:
         return custom_workload(args.prompt_len, args.output_len)
-    if args.workload == SHAREGPT:  # tokenized with the model's tokenizer, at its context
+    if sharegpt:  # tokenized with the model's tokenizer, at its context
         model = args.model or str(default_model())
         path = Path(args.sharegpt_path) if args.sharegpt_path else None
         return sharegpt_workload(model, args.max_model_len, path)
@@ -144,8 +147,8 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     cmd.set_defaults(run=run)
 
 
-def _add_load_arguments(cmd: argparse.ArgumentParser) -> None:
-    """What load is sent, for how long and how many times."""
+def _add_workload_arguments(cmd: argparse.ArgumentParser) -> None:
+    """Which requests are sent: a named workload, ShareGPT's pairs, or two length specs."""
     cmd.add_argument(
         "--workload",
         choices=sorted([*WORKLOADS, SHAREGPT]),
@@ -160,7 +163,8 @@ def _add_load_arguments(cmd: argparse.ArgumentParser) -> None:
         "--max-model-len",
         type=int,
         default=None,
-        help="sharegpt: skip pairs longer than this (default: the model's context)",
+        help="sharegpt: skip pairs whose prompt and reply together pass this many tokens "
+        "(default, and at most: the model's context, as the engine caps it)",
     )
     cmd.add_argument(
         "--prompt-len",
@@ -169,6 +173,11 @@ def _add_load_arguments(cmd: argparse.ArgumentParser) -> None:
         "lognormal:MEDIAN:SIGMA:LOW:HIGH (with --output-len)",
     )
     cmd.add_argument("--output-len", metavar="DIST", help="output lengths (exact), as above")
+
+
+def _add_load_arguments(cmd: argparse.ArgumentParser) -> None:
+    """What load is sent, for how long and how many times."""
+    _add_workload_arguments(cmd)
     cmd.add_argument("--rates", default="1", help="requests/s; comma-separated: a sweep")
     cmd.add_argument(
         "--duration", type=float, default=20.0, help="seconds of measured arrivals per rate"
