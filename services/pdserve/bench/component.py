@@ -128,7 +128,7 @@ class Ratio:
 
 
 def print_table(header: tuple[str, ...], rows: list[Figure] | list[Ratio]) -> None:
-    """A Markdown table, after a blank line: what docs/benchmarks.md quotes."""
+    """A Markdown table, after a blank line: what the pages under docs/benchmarks/ quote."""
     print("\n| " + " | ".join(header) + " |")
     print("|" + " --- |" * len(header))
     for row in rows:

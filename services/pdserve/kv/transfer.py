@@ -5,7 +5,7 @@ and, per request, opens one PushKV stream on each. Layers are queued to the stre
 they are produced, so the first layer is on the wire while later ones are still
 computing. The decode side's servicer hands its request iterator to ``receive_push``.
 
-Choices, measured by ``bench/kv_transfer_bench.py`` (numbers in docs/benchmarks.md):
+Choices, measured by ``bench/kv_transfer_bench.py`` (docs/benchmarks/kv-transfer.md):
 - Messages are built by ``codec`` (header by protobuf, payload joined once) and read
   back as memoryviews: protobuf's own path copies each payload three more times.
 - A layer chunk that fits one message is sent whole with the checksum the engine
@@ -39,7 +39,7 @@ from pdserve.kv.codec import (
     split_messages,
 )
 
-# From the benchmark's sweep (docs/benchmarks.md): one stream did as well as two and
+# From the benchmark's sweep (docs/benchmarks/kv-transfer.md): one stream did as well as two and
 # better than four on 2 cores, where every extra stream is CPU the transfer lacks; and
 # whole 2 MiB layers beat splitting them into 1 MiB or 512 KiB messages.
 DEFAULT_NUM_STREAMS = 1

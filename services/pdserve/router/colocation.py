@@ -102,7 +102,7 @@ class EstimateErrors:
     chosen lately is weighed with it rather than as exact: an error of 0 against the
     other's +40 ms would send it the next prompts whatever the load (on a 2-core VM, 6
     of 25 short prompts at 0.5 req/s went through the pool that way, at 111 ms to their
-    first token against 83 for those colocated: docs/benchmarks.md, issue 16). Weighed
+    first token against 83 for those colocated, in a variant not kept). Weighed
     alike, the paths differ by their estimates alone, so the one left is tried again
     when the load says it is the faster.
 

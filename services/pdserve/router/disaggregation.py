@@ -23,7 +23,7 @@ TTFT both ways and what prefilling it would do to the decode worker, and decides
    client's when that allows longer (what is left of `ttft_slo_ms`): a client that allows
    seconds lets the decode worker's requests keep their TPOT. A client's target tighter
    than the router's does not colocate more: measured, that put the decode worker's TPOT
-   over its target at 5 req/s (docs/benchmarks.md, issue 16, fourteenth session);
+   over its target at 5 req/s (docs/benchmarks/scheduling.md);
 4. otherwise the faster of the two: a short prompt is prefilled where it is decoded (no
    hop, no transfer) unless the decode worker is the busier, and never waits behind the
    pool's long prefills.
@@ -76,7 +76,7 @@ that way, of the wait it measured to the first token less the estimate it decide
 path the load reports cannot see the cost of moves by it: on a lightly loaded cluster, a
 remote prompt lands on a prefill worker that has slept for seconds and wakes one more
 process than a colocated one, and takes tens of ms longer than its estimate said (on
-2-core VMs, docs/benchmarks.md, issue 16), so short prompts stay where they are decoded
+2-core VMs, docs/benchmarks/scheduling.md), so short prompts stay where they are decoded
 until the decode worker's own estimate, and its error, grow past the pool's. Samples
 older than `colocation.SAMPLE_MAX_AGE_S` drop out, so a path that stopped being chosen
 after a slow spell goes back to its plain estimate, corrected by the other path's error
@@ -102,7 +102,7 @@ from pdserve.router.policy import ColocationRule, num_queued
 DEFAULT_PREFILL_TOKENS_PER_S = 1000.0
 # What the remote path adds to a prompt's TTFT (the Admit and Prefill calls) until the
 # router has measured it: a 16-64-token prompt alone took 75 ms to its first token on a
-# prefill and a decode worker, 56 ms on one colocated worker (docs/benchmarks.md, issue 16).
+# prefill and a decode worker, 56 ms on one colocated worker (a run of 2026-12, in git).
 DEFAULT_REMOTE_HOP_MS = 20.0
 DEFAULT_TTFT_TARGET_S = 0.25
 DEFAULT_TPOT_TARGET_S = 0.05

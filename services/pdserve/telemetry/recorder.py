@@ -4,7 +4,7 @@ The SDK's `Tracer.start_span` builds its `_Span` on the request's path: bounded 
 and event containers behind a lock, every attribute validated, the processors' `on_start`,
 and at `end` a frozen copy and the processors' `on_end` (the batch processor's queue and
 its lock). In a server, where that code is cold between requests, it cost a request
-46-107 µs a span to start (docs/benchmarks.md, issue 11), and the router and the prefill
+46-107 µs a span to start (docs/benchmarks/tracing.md), and the router and the prefill
 worker start five on every remote request's way to its first token.
 
 A `RecordedSpan` does on the path only what its children and the next hop need at once:

@@ -84,7 +84,7 @@ class WorkerConfig:
             "default_help": "on when TLS is on",
         },
     )
-    # 1 measured best on 2 cores (docs/benchmarks.md)
+    # 1 measured best on 2 cores (docs/benchmarks/kv-transfer.md)
     kv_streams: int = field(
         default=DEFAULT_NUM_STREAMS, metadata={"help": "parallel KV push streams per request"}
     )
