@@ -24,16 +24,10 @@ from pdserve.bench.component import alternate
 from pdserve.bench.cores import split_table
 from pdserve.bench.loadgen import RequestResult
 from pdserve.bench.machine import OWN, REST, CpuSample, CpuWindow, cpu_seconds
+from pdserve.bench.markdown import markdown
 from pdserve.bench.metrics import SLO, goodput, percentile, slo_attainment, summarize
 from pdserve.bench.plots import plot_cdfs, plot_latency_vs_rate
-from pdserve.bench.report import (
-    BenchResult,
-    ConfigRun,
-    RateRun,
-    markdown,
-    slo_grid_cells,
-    to_json,
-)
+from pdserve.bench.report import BenchResult, ConfigRun, RateRun, slo_grid_cells, to_json
 from pdserve.bench.sweep import rotation
 from pdserve.bench.workload import (
     FIRST_PROMPT_ID,
@@ -41,6 +35,7 @@ from pdserve.bench.workload import (
     PROMPT_ID_LIMIT,
     Fixed,
     LogNormal,
+    Poisson,
     Uniform,
     custom_workload,
     parse_length,
@@ -185,7 +180,7 @@ def test_a_summary_counts_leave_out_warm_ups_and_failed_requests_miss_the_slo():
         finished(3, ttft=0.2, gap=0.5, tokens=4, sent_at=3.0),  # TPOT misses
         RequestResult(4, "k", False, 8, 4, 4.0, [0.1], error="cut off"),
     ]
-    s = summarize(2.0, results, slo)
+    s = summarize(Poisson(2.0), results, slo)
     assert (s.num_requests, s.num_completed, s.num_failed, s.num_warmup) == (4, 3, 1, 1)
     assert s.num_output_tokens == 12
     assert s.slo_attainment == pytest.approx(0.25)
@@ -200,7 +195,7 @@ def test_a_summary_of_a_repeated_rate_pools_its_runs_over_the_sum_of_their_windo
     not overlap."""
     results = [finished(i, ttft=0.1, gap=0.1, tokens=10, sent_at=i * 0.5) for i in range(3)]
     again = [finished(i, 0.3, gap=0.1, tokens=10, sent_at=i * 0.5, repeat=1) for i in range(3)]
-    s = summarize(1.0, results + again, SLO(ttft_ms=1000, tpot_ms=100))
+    s = summarize(Poisson(1.0), results + again, SLO(ttft_ms=1000, tpot_ms=100))
     assert s.window_s == pytest.approx((1.0 + 1.0) + (1.0 + 1.2))
     assert s.request_throughput == pytest.approx(6 / s.window_s)
     assert (s.num_requests, s.ttft.count) == (6, 6)
@@ -273,7 +268,7 @@ def two_kind_result(tmp_path) -> BenchResult:
             finished(0, ttft=ttft, gap=0.02, tokens=8, kind="decode-heavy"),
             finished(1, ttft=ttft * 10, gap=0.02, tokens=8, kind="long-prompt"),
         ]
-        runs.append(RateRun(rate, summarize(rate, results, slo), results))
+        runs.append(RateRun(Poisson(rate), summarize(Poisson(rate), results, slo), results))
     config = ConfigRun("disaggregated", "127.0.0.1:1", solo=solo, runs=runs)
     return BenchResult(MIXED, [1.0, 2.0], 10, 10, 0, 0, slo, "cmd", "m", {}, [config])
 
@@ -304,7 +299,7 @@ def test_the_report_of_repeated_runs_gives_each_runs_ratios_beside_the_pooled_on
             for repeat, ttft in enumerate(ttfts)
             for i in range(5)
         ]
-        run = RateRun(1.0, summarize(1.0, results, slo), results)
+        run = RateRun(Poisson(1.0), summarize(Poisson(1.0), results, slo), results)
         return ConfigRun(name, "127.0.0.1:1", runs=[run])
 
     # the second cluster is 1.5x slower in run 1 and 0.5x as slow in run 2
@@ -377,10 +372,21 @@ def test_bad_flags_fail_before_anything_starts(capsys):
         [*router, "--ttft-slo-scale", "0"],
         [*router, "--repeats", "0"],
         ["--compare", "prefill:1"],
+        [*router, "--rates", "1", "--concurrency", "2"],  # one load or the other
+        [*router, "--concurrency", "0"],
+        [*router, "--num-requests", "5"],  # a rate runs --duration
+        [*router, "--concurrency", "2", "--num-requests", "5", "--duration", "3"],
+        [*router, "--extra-body", "{}"],  # an OpenAI target's
+        ["--target", "vllm:http://127.0.0.1:1/v1"],
+        ["--target", "openai:http://127.0.0.1:1/v1", "--extra-body", "[1]"],
+        ["--target", "openai:http://127.0.0.1:1/v1", "--extra-body", '{"ignore_eos": false}'],
+        ["--target", "openai:http://127.0.0.1:1/v1", "--send-ttft-slo"],  # no such field
+        ["--target", "openai:http://127.0.0.1:1/v1", "--tls-ca", __file__],
     ):
         args = bench_args(*argv)
         assert args.run(args) == 1, argv
-    assert "timeline-rate" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "timeline-rate" in err and "--send-ttft-slo needs a pdserve target" in err
 
 
 def test_without_matplotlib_bench_says_what_to_install_before_it_starts(monkeypatch, capsys):
@@ -452,7 +458,7 @@ def test_a_cpu_sample_splits_a_window_into_groups_this_process_and_the_rest():
 
 def test_the_cpu_split_gives_each_role_and_what_stayed_idle_of_the_machine():
     def run(rate: float, cores: dict[str, float]) -> RateRun:
-        return RateRun(rate, summarize(rate, [], SLO(1000, 100)), [], cores)
+        return RateRun(Poisson(rate), summarize(Poisson(rate), [], SLO(1000, 100)), [], cores)
 
     roles = {"router": 0.05, "prefill": 0.44, "decode": 0.96}
     runs = [run(1, {**roles, OWN: 0.1, REST: 0.05}), run(2, {**roles, OWN: 0.2})]
@@ -543,8 +549,9 @@ def test_a_tiny_sweep_writes_results_that_add_up(demo_model_dir, tmp_path, monke
         assert [r["prompt_tokens"] for r in requests] == [len(p.prompt_token_ids) for p in planned]
         assert [r["repeat"] for r in requests] == [p.repeat for p in planned]
         assert s["num_requests"] + s["num_warmup"] == len(requests)
-        assert s["num_completed"] + s["num_failed"] == s["num_requests"]
-        assert s["num_failed"] == 0
+        assert s["num_completed"] + s["num_failed"] + s["num_short"] == s["num_requests"]
+        assert s["num_failed"] == s["num_short"] == 0
+        assert (run["vllm"]["backend"], run["vllm"]["completed"]) == ("pdserve", s["num_completed"])
         done = [r for r in requests if not r["warmup"]]
         assert all(len(r["token_times"]) == r["max_tokens"] == 6 for r in requests)
         assert s["num_output_tokens"] == sum(len(r["token_times"]) for r in done)

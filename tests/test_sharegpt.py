@@ -11,7 +11,6 @@ import json
 import pytest
 
 from pdserve.bench import sharegpt
-from pdserve.bench.loadgen import sampling_params
 from pdserve.bench.sharegpt import (
     dataset_path,
     iter_conversations,
@@ -19,6 +18,7 @@ from pdserve.bench.sharegpt import (
     sharegpt_pairs,
     sharegpt_workload,
 )
+from pdserve.bench.targets import sampling_params
 from pdserve.bench.workload import plan
 from pdserve.commands.bench import BenchConfig, add_parser
 from pdserve.engine.tokenizer import Tokenizer

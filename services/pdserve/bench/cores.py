@@ -17,15 +17,16 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from pdserve.bench.machine import OWN, REST
+from pdserve.bench.workload import Load, Poisson
 
 NOT_ROLES = (OWN, REST)
 
 
 class MeasuredRate(Protocol):
-    """What the split reads of one rate's run (`report.RateRun`)."""
+    """What the split reads of one rate's (or concurrency's) run (`report.RateRun`)."""
 
     @property
-    def rate(self) -> float: ...
+    def load(self) -> Load: ...
 
     @property
     def cores(self) -> Mapping[str, float]: ...
@@ -46,13 +47,14 @@ def split_table(
     no rows when no rate was measured on this machine's /proc."""
     measured = [run for run in runs if run.cores]
     roles = list(dict.fromkeys(n for run in measured for n in run.cores if n not in NOT_ROLES))
-    header = ["req/s", *roles, OWN, REST, f"idle (of {cpus or '?'})"]
+    unit = runs[0].load.unit if runs else Poisson.unit
+    header = [unit, *roles, OWN, REST, f"idle (of {cpus or '?'})"]
     rows = []
     for run in measured:
         used = [run.cores.get(name) for name in (*roles, OWN, REST)]
         known = [u for u in used if u is not None]
         idle = cpus - sum(known) if cpus and REST in run.cores else None
-        rows.append([f"{run.rate:g}", *(_cores(u) for u in used), _cores(idle)])
+        rows.append([f"{run.load.level:g}", *(_cores(u) for u in used), _cores(idle)])
     return header, rows
 
 

@@ -3,7 +3,8 @@
 TTFT is the client's time to the first token; TPOT a request's mean time per output token
 after the first, (e2e - ttft) / (tokens - 1); ITL every single gap between two tokens, so
 its p99 shows the stalls that a per-request mean smooths over. Latencies are reported in
-milliseconds. Warm-up requests are left out of everything here.
+milliseconds. Warm-up requests are left out of everything here, and a short request (it
+finished with fewer tokens than asked for) is counted apart: never in the latencies.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.bench.loadgen import RequestResult
+from pdserve.bench.workload import Concurrency, Load
 
 # DistServe's goodput: the highest rate at which at least this share of requests meets both
 # the TTFT and the TPOT SLO.
@@ -43,13 +45,17 @@ class Stats:
     p90: float
     p99: float
     max: float
+    std: float = math.nan  # the population's (numpy's default, as vLLM's benchmark reports)
 
     @classmethod
     def of(cls, values: Iterable[float], scale: float = MS) -> Stats:
         """Stats of `values` times `scale` (seconds to milliseconds by default)."""
         scaled = [v * scale for v in values]
-        mean = sum(scaled) / len(scaled) if scaled else math.nan
-        return cls(len(scaled), mean, *(percentile(scaled, q) for q in (50, 90, 99, 100)))
+        if not scaled:
+            return cls(0, *[math.nan] * 6)
+        mean = sum(scaled) / len(scaled)
+        std = math.sqrt(sum((v - mean) ** 2 for v in scaled) / len(scaled))
+        return cls(len(scaled), mean, *(percentile(scaled, q) for q in (50, 90, 99, 100)), std)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,9 +135,9 @@ class SLO:
 
 @dataclass(frozen=True, slots=True)
 class RateSummary:
-    rate: float  # requests per second offered
+    rate: float | None  # requests per second offered; None: a closed loop's
     num_requests: int  # measured: warm-ups excluded
-    num_completed: int
+    num_completed: int  # with exactly the tokens asked for
     num_failed: int  # errors and requests cut off at the end of the run
     num_warmup: int
     num_output_tokens: int  # of the completed requests
@@ -147,21 +153,40 @@ class RateSummary:
     slo_attainment: float  # share of measured requests meeting both SLOs; failed ones miss
     # per request kind (when the workload has several): TTFT and TPOT stats
     by_kind: dict[str, dict[str, Stats]] = field(default_factory=dict)
+    concurrency: int | None = None  # a closed loop's requests in flight; None: open loop
+    # finished without an error but with fewer tokens than asked for (the server stopped
+    # early): neither completed nor failed
+    num_short: int = 0
+    num_input_tokens: int = 0  # the completed requests' prompts
+    request_goodput: float = 0.0  # requests within both SLOs per second of the window
+
+    @property
+    def total_token_throughput(self) -> float:
+        """Prompt and output tokens of the completed requests per second of the window."""
+        tokens = self.num_input_tokens + self.num_output_tokens
+        return tokens / self.window_s if self.window_s else 0.0
 
 
-def summarize(rate: float, results: Sequence[RequestResult], slo: SLO) -> RateSummary:
+def summarize(load: Load, results: Sequence[RequestResult], slo: SLO) -> RateSummary:
     measured = [r for r in results if not r.warmup]
     done = [r for r in measured if r.ok]
+    num_short = sum(r.is_short for r in measured)
     tokens = sum(r.output_tokens for r in done)
     window = sum(_window(measured, done, repeat) for repeat in {r.repeat for r in measured})
     kinds = sorted({r.kind for r in measured})
+    num_good = sum(slo.met_by(r) for r in measured)
+    closed = isinstance(load, Concurrency)
     return RateSummary(
-        rate=rate,
+        rate=None if closed else load.rate,
+        concurrency=load.n if closed else None,
         num_requests=len(measured),
         num_completed=len(done),
-        num_failed=len(measured) - len(done),
+        num_failed=len(measured) - len(done) - num_short,
+        num_short=num_short,
         num_warmup=len(results) - len(measured),
         num_output_tokens=tokens,
+        num_input_tokens=sum(r.prompt_tokens for r in done),
+        request_goodput=num_good / window if window else 0.0,
         window_s=window,
         ttft=Stats.of(r.ttft for r in done),
         tpot=_tpot(done),
@@ -169,7 +194,7 @@ def summarize(rate: float, results: Sequence[RequestResult], slo: SLO) -> RateSu
         e2e=Stats.of(r.e2e for r in done),
         request_throughput=len(done) / window if window else 0.0,
         output_throughput=tokens / window if window else 0.0,
-        slo_attainment=slo_attainment(results, slo),
+        slo_attainment=num_good / len(measured) if measured else 0.0,
         by_kind={}
         if len(kinds) < 2
         else {

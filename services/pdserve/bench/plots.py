@@ -1,4 +1,5 @@
-"""The figures: latency CDFs, latency and SLO attainment against rate, and a run's timeline.
+"""The figures: latency CDFs, latency and SLO attainment against load (the rate, or the
+concurrency), and a run's timeline.
 
 Figures are built without pyplot (no global figure state, no GUI backend): a bare
 `Figure` saves PNGs through matplotlib's Agg canvas. Each function writes one PNG and
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.bench.metrics import MS, SLO_ATTAINMENT_GOAL
 from pdserve.bench.report import BenchResult, RateRun
+from pdserve.bench.workload import Load
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -61,13 +63,14 @@ def plot_cdfs(result: BenchResult, path: Path) -> Path:
     kinds = _kinds(result)
     fig = _figure((11, 0.6 + 3.6 * len(kinds)))
     axes = fig.subplots(len(kinds), 2, squeeze=False)
-    styles = LINESTYLES[-len(result.rates) :] if len(result.rates) <= len(LINESTYLES) else None
+    num_loads = len(result.loads)
+    styles = LINESTYLES[-num_loads:] if num_loads <= len(LINESTYLES) else None
     for (ttft_ax, tpot_ax), kind in zip(axes, kinds, strict=True):
         for color, config in zip(COLORS, result.configs, strict=False):
             for i, run in enumerate(config.runs):
                 measured = [r for r in run.results if r.ok and not r.warmup and r.kind == kind]
                 style = styles[i] if styles else "-"
-                label = f"{config.name} @ {run.rate:g}/s"
+                label = f"{config.name} @ {run.load}"
                 _cdf(ttft_ax, [r.ttft * MS for r in measured], color, style, label)
                 tpots = [r.tpot * MS for r in measured if r.tpot is not None]
                 _cdf(tpot_ax, tpots, color, style, label)
@@ -111,7 +114,7 @@ def plot_latency_vs_rate(result: BenchResult, path: Path) -> Path:
     kinds = _kinds(result)
     kind_styles = dict(zip(kinds, ("o-", "s--", "^-.", "d:"), strict=False))
     for color, config in zip(COLORS, result.configs, strict=False):
-        rates = [run.rate for run in config.runs]
+        rates = [run.load.level for run in config.runs]
         for kind in kinds:
             style, label = kind_styles.get(kind, "o-"), f"{config.name} {kind}"
             ttfts = [_kind_stats(run, kind, "ttft").p90 for run in config.runs]
@@ -140,24 +143,31 @@ def plot_latency_vs_rate(result: BenchResult, path: Path) -> Path:
     tpot_ax.set(title="p99 TPOT per kind", ylabel="ms (log)", yscale="log")
     slo_ax.set(title="requests within both SLOs", ylabel="%", ylim=(0, 105))
     for ax in (ttft_ax, tpot_ax, slo_ax):
-        ax.set_xlabel("offered rate (requests/s)")
+        ax.set_xlabel(_load_axis(result))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(f"{result.workload.name} workload: latency against load", fontsize=10)
     return _save(fig, path)
 
 
-def plot_timeline(result: BenchResult, rate: float, path: Path) -> Path:
-    """Every request of the run at `rate` as a bar from its send, split into the router's
-    phases: queue, prefill (to the first token), KV transfer and decode. One panel each;
-    of a rate run several times (`--repeats`), the first run."""
-    runs = [(config.name, config.run_at(rate)) for config in result.configs]
+def _load_axis(result: BenchResult) -> str:
+    if result.concurrencies:
+        return "requests in flight (closed loop)"
+    return "offered rate (requests/s)"
+
+
+def plot_timeline(result: BenchResult, load: Load, path: Path) -> Path:
+    """Every request of the run at `load` as a bar from its send, split into the router's
+    phases: queue, prefill (to the first token), KV transfer and decode (a server that
+    does not report them, an OpenAI-compatible one, has none). One panel each; of a load
+    run several times (`--repeats`), the first run."""
+    runs = [(config.name, config.run_at(load)) for config in result.configs]
     runs = [(name, run) for name, run in runs if run is not None]
     fig = _figure((11, 1.2 + 2.6 * len(runs)))
     axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False)
     for ax, (name, run) in zip(axes[:, 0], runs, strict=True):
         _timeline(ax, run)
-        ax.set(ylabel="request", title=f"{name} @ {rate:g} req/s", xlim=(0, None))
+        ax.set(ylabel="request", title=f"{name} @ {load}", xlim=(0, None))
     axes[-1, 0].set_xlabel("seconds since the run started")
     from matplotlib.patches import Patch  # matplotlib is there: _figure checked
 

@@ -1,18 +1,24 @@
-"""What a benchmark run sends: request kinds, their length distributions, Poisson arrivals.
+"""What a benchmark run sends: request kinds, their length distributions, and the load
+they arrive under: Poisson arrivals at a rate (open loop), or a fixed number of requests
+in flight (closed loop: each finished one replaced by the next).
 
 A plan is a pure function of (workload, rate, duration, warm-up count, seed): every
 configuration compared sees the same requests at the same times. The arrival gaps are
 unit-rate exponential draws divided by the rate, so the rates of a sweep share one
 arrival pattern, stretched or squeezed, and one sequence of request kinds and lengths.
 The prompt ids differ from rate to rate (and from any other seed's): a prefix cache must
-not turn one run's prefills into hits on the run before.
+not turn one run's prefills into hits on the run before. A closed loop's requests are
+the same sequence of kinds and lengths, without times (`closed_plan`), their prompt ids
+of their own per concurrency level.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import statistics
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 # Prompt ids are random tokens past <unk>, <s>, </s>, inside every demo vocabulary.
@@ -175,6 +181,49 @@ class PlannedRequest:
     repeat: int = 0  # which of the rate's repeated runs (`plan`'s `repeat`)
 
 
+@dataclass(frozen=True, slots=True)
+class Poisson:
+    """Open loop: requests sent at Poisson arrivals, `rate` per second on average."""
+
+    rate: float
+    unit = "req/s"  # of `level`, in tables and on axes
+
+    def __post_init__(self) -> None:
+        if not self.rate > 0:
+            raise ValueError(f"a rate must be > 0, got {self.rate:g}")
+
+    @property
+    def level(self) -> float:
+        """What a sweep orders its loads by, and plots them against."""
+        return self.rate
+
+    def __str__(self) -> str:
+        return f"{self.rate:g} req/s"
+
+
+@dataclass(frozen=True, slots=True)
+class Concurrency:
+    """Closed loop: `n` requests in flight at once, each finished one replaced by the next
+    (vLLM's `--max-concurrency` with every request ready at once)."""
+
+    n: int
+    unit = "in flight"
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"a concurrency must be >= 1, got {self.n}")
+
+    @property
+    def level(self) -> float:
+        return float(self.n)
+
+    def __str__(self) -> str:
+        return f"{self.n} in flight"
+
+
+Load = Poisson | Concurrency
+
+
 def plan(
     workload: Workload,
     rate: float,
@@ -191,10 +240,8 @@ def plan(
     """
     if rate <= 0 or duration_s <= 0 or num_warmup < 0 or repeat < 0:
         raise ValueError("rate and duration must be > 0, the warm-up count and repeat >= 0")
-    key = f"{seed}" if repeat == 0 else f"{seed}/repeat/{repeat}"
-    arrivals = random.Random(f"{key}/arrivals")
-    lengths = random.Random(f"{key}/lengths")
-    prompt_ids = random.Random(f"{key}/prompts/{rate!r}")
+    arrivals = random.Random(f"{_key(seed, repeat)}/arrivals")
+    drawn = _requests(workload, _key(seed, repeat), repr(rate))
     planned: list[PlannedRequest] = []
     unit_time, window_start = 0.0, None
     while True:
@@ -204,10 +251,34 @@ def plan(
             window_start = send_at if window_start is None else window_start
             if send_at - window_start >= duration_s:
                 return planned
-        kind = workload.pick(lengths)
-        request = sample_request(kind, lengths, prompt_ids, len(planned), send_at, warmup)
-        planned.append(replace(request, repeat=repeat))
+        planned.append(replace(next(drawn), send_at=send_at, warmup=warmup, repeat=repeat))
         unit_time += arrivals.expovariate(1.0)
+
+
+def closed_plan(
+    workload: Workload, concurrency: int, num_warmup: int, seed: int, repeat: int = 0
+) -> Iterator[PlannedRequest]:
+    """A closed loop's requests, endless, in the order they are sent (`send_at` 0: each goes
+    when a request in flight finishes): `num_warmup` warm-up ones first. The kinds and
+    lengths are a rate's at the same seed and repeat; the prompt ids the level's own."""
+    if num_warmup < 0 or repeat < 0:
+        raise ValueError("the warm-up count and repeat must be >= 0")
+    for request in _requests(workload, _key(seed, repeat), f"concurrency {concurrency}"):
+        yield replace(request, warmup=request.index < num_warmup, repeat=repeat)
+
+
+def _key(seed: int, repeat: int) -> str:
+    """What a run's draws are seeded with: the seed, and the repeat after the first."""
+    return f"{seed}" if repeat == 0 else f"{seed}/repeat/{repeat}"
+
+
+def _requests(workload: Workload, key: str, prompts_key: str) -> Iterator[PlannedRequest]:
+    """The run's requests in order: kinds and lengths drawn from `key`, prompt ids from
+    `key` and `prompts_key` (a load's own)."""
+    lengths = random.Random(f"{key}/lengths")
+    prompt_ids = random.Random(f"{key}/prompts/{prompts_key}")
+    for index in itertools.count():
+        yield sample_request(workload.pick(lengths), lengths, prompt_ids, index)
 
 
 def sample_request(

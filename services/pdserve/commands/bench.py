@@ -1,10 +1,12 @@
-"""`pdserve bench`: an open-loop sweep of request rates against a router, or against local
-clusters of several shapes side by side (`--compare colocated:2 prefill:1,decode:1`).
+"""`pdserve bench`: a sweep of request rates (open loop, Poisson) or of concurrency levels
+(closed loop) against a router (`--router`, `--target pdserve:HOST:PORT`), any
+OpenAI-compatible server (`--target openai:http://HOST:PORT/v1`), or local clusters of
+several shapes side by side (`--compare colocated:2 prefill:1,decode:1`).
 
-Compared clusters run at the same time but are measured one at a time, rate by rate (and
+Compared clusters run at the same time but are measured one at a time, load by load (and
 run by run with --repeats), in rotation (a b, b a, ...: bench/sweep.py), so a slow spell of
-the machine lands on both. Writes WORKLOAD.json (every request's token times), WORKLOAD.md
-and three PNGs into --out.
+the machine lands on both. Writes WORKLOAD.json (every request's token times; each run's
+vLLM-named fields too), WORKLOAD.md and three PNGs into --out.
 """
 
 from __future__ import annotations
@@ -14,26 +16,31 @@ import asyncio
 import contextlib
 import os
 import shlex
-from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from rich.console import Console
 
 from pdserve.bench.machine import facts
-from pdserve.bench.metrics import SLO
+from pdserve.bench.markdown import markdown
 from pdserve.bench.plots import plot_cdfs, plot_latency_vs_rate, plot_timeline, require_matplotlib
-from pdserve.bench.report import BenchResult, Sweep, markdown, write_json
-from pdserve.bench.sharegpt import sharegpt_workload
-from pdserve.bench.sweep import Target, measure
-from pdserve.bench.workload import WORKLOADS, Workload, custom_workload
+from pdserve.bench.report import VLLM_DATE_FORMAT, BenchResult, write_json
+from pdserve.bench.sweep import measure
+from pdserve.bench.targets import PdserveTarget, RequestFailed, Target
+from pdserve.bench.workload import WORKLOADS, Load
 from pdserve.client import PdserveError
 from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.commands import EXIT_INTERRUPTED, add_router_argument, fail, router_address
-from pdserve.commands.connection import (
-    RouterConnection,
-    add_connection_arguments,
-    connection_from_args,
+from pdserve.commands.bench_config import (
+    DEFAULT_DURATION_S,
+    DEFAULT_RATES,
+    DEFAULT_TTFT_SLO_FLOOR_MS,
+    DEFAULT_TTFT_SLO_MS,
+    SHAREGPT,
+    BenchConfig,
+    given_target,
 )
+from pdserve.commands.connection import add_connection_arguments, connection_from_args
 from pdserve.commands.termination import (
     EXIT_TERMINATED,
     Terminated,
@@ -46,87 +53,16 @@ from pdserve.core.errors import ModelLoadError
 from pdserve.core.tls_config import Role
 
 DEFAULT_OUT = "bench-results"
-SHAREGPT = "sharegpt"  # the dataset's workload, built once the model's tokenizer is known
 # --colocate-below for an all-colocated shape: every prompt is prefilled on the worker that
 # decodes it. Without it the router would ship KV between two `both` workers.
 COLOCATE_EVERY_PROMPT = 1 << 30
-DEFAULT_TTFT_SLO_MS = 2000.0  # absolute, without --ttft-slo-scale
-DEFAULT_TTFT_SLO_FLOOR_MS = 200.0  # with --ttft-slo-scale: no kind's bound is below it
-
-
-@dataclass(slots=True)
-class BenchConfig(Sweep):
-    """What one `pdserve bench` measures, validated once from the flags."""
-
-    shapes: list[ClusterShape]  # empty: measure the router given
-    timeline_rate: float
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> BenchConfig:
-        if (args.prompt_len is None) != (args.output_len is None):
-            raise ValueError("--prompt-len and --output-len come together")
-        workload = _workload(args)
-        try:
-            rates = sorted({float(r) for r in args.rates.split(",")})
-        except ValueError as exc:
-            raise ValueError(f"--rates: {exc}") from exc
-        if rates[0] <= 0 or args.duration <= 0 or args.drain <= 0 or args.warmup < 0:
-            raise ValueError("rates, --duration and --drain must be > 0; --warmup >= 0")
-        timeline_rate = rates[len(rates) // 2] if args.timeline_rate is None else args.timeline_rate
-        if timeline_rate not in rates:
-            raise ValueError(f"--timeline-rate {timeline_rate:g} is not one of the rates")
-        if args.threads < 1 or args.repeats < 1:
-            raise ValueError("--threads and --repeats must be >= 1")
-        return cls(
-            workload=workload,
-            rates=rates,
-            duration_s=args.duration,
-            drain_s=args.drain,
-            num_warmup=args.warmup,
-            seed=args.seed,
-            slo=_slo(args),
-            repeats=args.repeats,
-            shapes=[ClusterShape.parse(s) for s in args.compare or []],
-            timeline_rate=timeline_rate,
-        )
-
-
-def _workload(args: argparse.Namespace) -> Workload:
-    sharegpt = args.workload == SHAREGPT and not args.prompt_len
-    if not sharegpt and (args.sharegpt_path or args.max_model_len is not None):
-        raise ValueError("--sharegpt-path and --max-model-len go with --workload sharegpt")
-    if args.prompt_len:
-        return custom_workload(args.prompt_len, args.output_len)
-    if sharegpt:  # tokenized with the model's tokenizer, at its context
-        model = args.model or str(default_model())
-        path = Path(args.sharegpt_path) if args.sharegpt_path else None
-        return sharegpt_workload(model, args.max_model_len, path)
-    return WORKLOADS[args.workload]
-
-
-def _slo(args: argparse.Namespace) -> SLO:
-    """The SLOs asked for; a relative TTFT bound is calibrated once the kinds ran alone."""
-    if args.ttft_slo_scale is None:
-        ttft_ms = DEFAULT_TTFT_SLO_MS if args.ttft_slo_ms is None else args.ttft_slo_ms
-        return SLO(ttft_ms, args.tpot_slo_ms, sent=args.send_ttft_slo)
-    floor = DEFAULT_TTFT_SLO_FLOOR_MS if args.ttft_slo_ms is None else args.ttft_slo_ms
-    return SLO(floor, args.tpot_slo_ms, ttft_scale=args.ttft_slo_scale, sent=args.send_ttft_slo)
 
 
 def add_parser(subcommands: argparse._SubParsersAction) -> None:
     cmd = subcommands.add_parser(
-        "bench", help="open-loop serving benchmark: TTFT, TPOT, throughput and goodput"
+        "bench", help="serving benchmark of any server: TTFT, TPOT, throughput and goodput"
     )
-    target = cmd.add_mutually_exclusive_group()
-    add_router_argument(target)
-    target.add_argument(
-        "--compare",
-        nargs="+",
-        metavar="SHAPE",
-        help="start a local cluster of each shape (e.g. colocated:2 "
-        "prefill:1,decode:1) and run the same requests on each; a shape listed "
-        "twice is measured twice, as SHAPE and SHAPE #2",
-    )
+    _add_target_arguments(cmd)
     cmd.add_argument(
         "--model",
         help="with --compare: the model served (and with --workload sharegpt, its tokenizer): "
@@ -142,9 +78,36 @@ def add_parser(subcommands: argparse._SubParsersAction) -> None:
     )
     _add_load_arguments(cmd)
     _add_slo_arguments(cmd)
-    add_connection_arguments(cmd)  # for --router
+    add_connection_arguments(cmd)  # for --router (and an OpenAI target's API key)
     cmd.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     cmd.set_defaults(run=run)
+
+
+def _add_target_arguments(cmd: argparse.ArgumentParser) -> None:
+    """What is measured: a router, any OpenAI-compatible server, or clusters started here."""
+    target = cmd.add_mutually_exclusive_group()
+    add_router_argument(target)  # the same as --target pdserve:ADDR
+    target.add_argument(
+        "--target",
+        metavar="KIND:WHERE",
+        help="the server measured: pdserve:HOST:PORT (a router's gRPC API, as --router) or "
+        "openai:http://HOST:PORT/v1 (any OpenAI-compatible server: llama-server, vLLM, "
+        "`pdserve up --http-port`; streaming /v1/completions with token-id prompts)",
+    )
+    target.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="SHAPE",
+        help="start a local cluster of each shape (e.g. colocated:2 "
+        "prefill:1,decode:1) and run the same requests on each; a shape listed "
+        "twice is measured twice, as SHAPE and SHAPE #2",
+    )
+    cmd.add_argument(
+        "--extra-body",
+        metavar="JSON",
+        help="with --target openai:URL: fields added to every request's body (an object, "
+        "as vLLM's --extra-body), none of those the benchmark sets",
+    )
 
 
 def _add_workload_arguments(cmd: argparse.ArgumentParser) -> None:
@@ -178,10 +141,7 @@ def _add_workload_arguments(cmd: argparse.ArgumentParser) -> None:
 def _add_load_arguments(cmd: argparse.ArgumentParser) -> None:
     """What load is sent, for how long and how many times."""
     _add_workload_arguments(cmd)
-    cmd.add_argument("--rates", default="1", help="requests/s; comma-separated: a sweep")
-    cmd.add_argument(
-        "--duration", type=float, default=20.0, help="seconds of measured arrivals per rate"
-    )
+    _add_level_arguments(cmd)
     cmd.add_argument(
         "--warmup",
         type=int,
@@ -208,7 +168,38 @@ def _add_load_arguments(cmd: argparse.ArgumentParser) -> None:
         "--timeline-rate",
         type=float,
         default=None,
-        help="the rate whose run the timeline plot shows (default: mid-sweep)",
+        help="the rate (or concurrency) whose run the timeline plot shows (default: mid-sweep)",
+    )
+
+
+def _add_level_arguments(cmd: argparse.ArgumentParser) -> None:
+    """The loads swept (rates, or concurrency levels) and how long each is measured."""
+    cmd.add_argument(
+        "--rates",
+        default=None,
+        help=f"Poisson arrivals, requests/s; comma-separated: a sweep (default {DEFAULT_RATES})",
+    )
+    cmd.add_argument(
+        "--concurrency",
+        metavar="N[,M...]",
+        default=None,
+        help="instead of --rates: a closed loop of N requests in flight at once, each "
+        "finished one replaced by the next; comma-separated: a sweep; each request gets "
+        "--drain seconds",
+    )
+    cmd.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help=f"seconds of measured arrivals per rate or concurrency (default "
+        f"{DEFAULT_DURATION_S:g})",
+    )
+    cmd.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --concurrency, instead of --duration: N measured requests per level",
     )
 
 
@@ -243,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     try:
         config = BenchConfig.from_args(args)
-        connection = connection_from_args(args)
+        given = given_target(args, connection_from_args(args))
         require_matplotlib()  # now, rather than after the whole run
     except (ValueError, RuntimeError, ModelLoadError) as exc:
         return fail("bench", exc)
@@ -259,11 +250,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         # SIGTERM stops the clusters as Ctrl-C does (commands/termination.py)
         with sigterm_raises(), contextlib.ExitStack() as stack:
-            targets = _start_targets(args, model, config.shapes, out, stack, console, connection)
+            targets = [given] if given else start_clusters(args, model, config, out, stack, console)
             stack.callback(ignore_sigterm)  # first on the way out: the clusters stop whole
             measuring = cancelled_by_sigterm(measure(config, targets, console))
             model, configs = asyncio.run(measuring)
-    except (RuntimeError, OSError, PdserveError) as exc:
+    except (RuntimeError, OSError, PdserveError, RequestFailed) as exc:
         return fail("bench", exc)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
@@ -276,20 +267,22 @@ def run(args: argparse.Namespace) -> int:
         model=model,
         machine=machine,
         configs=configs,
+        tokenizer=config.tokenizer,
+        date=datetime.now().strftime(VLLM_DATE_FORMAT),
     )
-    paths = write_outputs(result, out, config.timeline_rate)
+    paths = write_outputs(result, out, config.timeline)
     print(paths[1].read_text())
     console.print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
 
-def write_outputs(result: BenchResult, out: Path, timeline_rate: float) -> list[Path]:
+def write_outputs(result: BenchResult, out: Path, timeline: Load) -> list[Path]:
     """WORKLOAD.json, WORKLOAD.md and the figures; their paths, in that order."""
     name = result.workload.name
     figures = [
         plot_cdfs(result, out / f"{name}-cdf.png"),
         plot_latency_vs_rate(result, out / f"{name}-vs-rate.png"),
-        plot_timeline(result, timeline_rate, out / f"{name}-timeline.png"),
+        plot_timeline(result, timeline, out / f"{name}-timeline.png"),
     ]
     json_path, md_path = out / f"{name}.json", out / f"{name}.md"
     write_json(result, json_path)
@@ -297,20 +290,16 @@ def write_outputs(result: BenchResult, out: Path, timeline_rate: float) -> list[
     return [json_path, md_path, *figures]
 
 
-def _start_targets(
+def start_clusters(
     args: argparse.Namespace,
     model: str,
-    shapes: list[ClusterShape],
+    config: BenchConfig,
     out: Path,
     stack: contextlib.ExitStack,
     console: Console,
-    connection: RouterConnection,
 ) -> list[Target]:
-    """The router given (reached through `connection`), or a started local cluster per
-    shape (stopped with `stack`)."""
-    if not shapes:
-        address = router_address(args.router)
-        return [Target(address, address, client_kwargs=connection.client_kwargs)]
+    """A started local cluster per shape (stopped with `stack`), each driven natively."""
+    shapes = config.shapes
     targets = []
     for shape, name in zip(shapes, target_names(shapes), strict=True):
         router_args = ["--colocate-below", str(COLOCATE_EVERY_PROMPT)] if not shape.prefill else []
@@ -326,7 +315,7 @@ def _start_targets(
         with console.status(f"starting {shape} (logs in {run_dir})"):
             stack.enter_context(cluster)
         console.print(f"{shape}: router at {cluster.router_address}")
-        targets.append(Target(name, cluster.router_address, pids_by_role(cluster)))
+        targets.append(PdserveTarget(name, cluster.router_address, pids_by_role(cluster)))
     return targets
 
 
@@ -367,17 +356,22 @@ def _command_line(args: argparse.Namespace, model: str) -> str:
         words += ["--threads", str(args.threads)] if args.threads != 1 else []
         words += [f"--worker-arg={a}" for a in args.worker_arg]
     else:
-        words += ["--router", router_address(args.router)]
+        words += ["--target", args.target] if args.target else []
+        words += [] if args.target else ["--router", router_address(args.router)]
         words += ["--tls-ca", args.tls_ca] if args.tls_ca else []  # never the API key
+        words += ["--extra-body", args.extra_body] if args.extra_body else []
         words += ["--model", args.model] if args.model else []
     if args.prompt_len:
         words += ["--prompt-len", args.prompt_len, "--output-len", args.output_len]
     else:
         words += ["--workload", args.workload]
         words += ["--sharegpt-path", args.sharegpt_path] if args.sharegpt_path else []
+    closed = args.concurrency is not None
     for flag, value in (
-        ("--rates", args.rates),
-        ("--duration", args.duration),
+        ("--rates", None if closed else args.rates or DEFAULT_RATES),
+        ("--concurrency", args.concurrency),
+        ("--num-requests", args.num_requests),
+        ("--duration", None if args.num_requests else args.duration or DEFAULT_DURATION_S),
         ("--warmup", args.warmup),
         ("--drain", args.drain),
         ("--seed", args.seed),
