@@ -57,6 +57,13 @@ chart-golden:  ## re-render the Helm chart's golden files (tests/golden/chart) a
 chart-readme:  ## regenerate the values tables of charts/pdserve/README.md from values.yaml and its schema
 	$(BIN)/python scripts/chart_values_table.py
 
+# `make peers` (not in setup or CI): llama.cpp's llama-server and llama-quantize built from
+# the llama-cpp-python sdist, and F32/BF16/Q4_1 GGUFs of the default model, under peers/
+# (scripts/build_peers.sh has the llama-server flags a benchmark should use).
+.PHONY: peers
+peers:  ## build llama.cpp's llama-server and its models under peers/ (for benchmarks)
+	@sh scripts/build_peers.sh
+
 # `make docker`: docker/Dockerfile in each flavour, tagged IMAGE:VERSION-FLAVOUR and IMAGE:FLAVOUR
 # (docker/README.md).
 ENGINE ?= docker
