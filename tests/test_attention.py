@@ -4,7 +4,13 @@ over the whole context, whichever way a span asks for it (engine/attention.py)."
 import pytest
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, PrefillSpan, paged_attention, prefix_apart
+from pdserve.engine.attention import (
+    AttentionMetadata,
+    DecodeBatch,
+    PrefillSpan,
+    paged_attention,
+    prefix_apart,
+)
 
 SCALE = 0.125
 HEAD_DIM = 16
@@ -69,3 +75,23 @@ def test_only_a_long_prefix_before_enough_new_tokens_is_attended_apart_on_cpu():
     assert not prefix_apart(cpu, 1023, 512)  # its second: one masked call is as fast
     assert not prefix_apart(cpu, 4096, 63)  # a few new tokens: the extra calls cost more
     assert prefix_apart(torch.device("cuda"), 1, 1)  # bottom-right causal, in the kernel
+
+
+@pytest.mark.parametrize("context", [1, 16, 37])
+def test_a_decode_over_consecutive_blocks_attends_in_place_as_the_gather_does(context):
+    block_size, num_kv_heads, first_block = 16, 2, 3
+    torch.manual_seed(context)
+    num_blocks = -(-context // block_size)
+    cache = torch.randn(2, 8 * block_size, num_kv_heads, HEAD_DIM)
+    q = torch.randn(1, 8, HEAD_DIM)
+    table = torch.arange(first_block, first_block + num_blocks)
+    buffer = cache.new_empty(2, num_blocks, block_size, num_kv_heads, HEAD_DIM)
+    gathered = DecodeBatch(0, 1, context, table, None, buffer)
+    in_place = DecodeBatch(0, 1, context, None, None, None, first_slot=first_block * block_size)
+    outs = [
+        paged_attention(q, None, None, cache, AttentionMetadata(None, [], [batch]), SCALE)
+        for batch in (gathered, in_place)
+    ]
+    keys = cache[:, first_block * block_size :][:, :context]
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[1].double(), reference(q, *keys, context - 1))

@@ -458,3 +458,22 @@ def test_decodes_are_grouped_where_a_context_is_far_longer_than_its_groups_short
     assert decode_groups([5, 9, 200, 261]) == [range(0, 3), range(3, 4)]
     assert decode_groups([9, 12, 300, 700, 1300]) == [range(0, 2), range(2, 3), range(3, 5)]
     assert decode_groups([600, 1200, 1201]) == [range(0, 2), range(2, 3)]
+
+
+def test_a_lone_decode_attends_over_its_consecutive_blocks_in_place(demo_model_dir, monkeypatch):
+    engine = LLMEngine.from_pretrained(demo_model_dir, num_kv_blocks=ROOMY_KV_BLOCKS)
+    prepared, prepare = [], engine.runner.prepare
+
+    def spy(plan):
+        prepared.append(prepare(plan))
+        return prepared[-1]
+
+    monkeypatch.setattr(engine.runner, "prepare", spy)
+    [alone] = engine.generate(random_prompts([40]), greedy(max_tokens=8))
+    lone = [inputs.meta.decodes for inputs in prepared if inputs.meta.decodes]
+    assert len(lone) == 7  # the first token came with the prompt
+    assert all(batch.first_slot == 0 and batch.block_table is None for [batch] in lone)
+    prepared.clear()
+    together = engine.generate(random_prompts([40, 33]), greedy(max_tokens=8))
+    assert together[0].token_ids == alone.token_ids  # the gathered path agrees
+    assert all(b.first_slot is None for i in prepared for b in i.meta.decodes)

@@ -49,13 +49,19 @@ class DecodeBatch:
     max_context: int  # keys per sequence after padding
     # [num_seqs * max_blocks]: each sequence's first max_blocks blocks (padding: block 0).
     # Whole blocks are gathered, not slots: one contiguous copy per block is far cheaper.
-    block_table: torch.Tensor
+    # None with `first_slot`.
+    block_table: torch.Tensor | None
     # [num_seqs, 1, 1, max_context] bool, True = may attend; None when every sequence
     # attends to all max_context keys (no padding, no window), as at batch 1.
     mask: torch.Tensor | None
     # [2, num_seqs * max_blocks, block_size, kv_heads, head_dim]: where each layer gathers
     # its K and V. Layers run one after another, so one buffer per step serves them all.
-    kv_buffer: torch.Tensor
+    # None with `first_slot`.
+    kv_buffer: torch.Tensor | None
+    # One sequence whose blocks follow each other in the cache (as a lone request's do):
+    # its keys are slots [first_slot, first_slot + max_context), attended in place as a
+    # view, nothing gathered. None: gather by `block_table`.
+    first_slot: int | None = None
 
 
 @dataclass(slots=True)
@@ -79,6 +85,8 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, heads, head_dim]
+    if not meta.prefills and len(meta.decodes) == 1:  # a decode step: no copy into `out`
+        return _decode_attention(q, layer_cache, meta.decodes[0], scale)
     out = torch.empty_like(q)
     for span in meta.prefills:
         rows = slice(span.token_start, span.token_start + span.num_new_tokens)
@@ -92,12 +100,20 @@ def paged_attention(
             out[rows] = _prefix_then_causal(q[rows], k[rows], v[rows], keys, values, scale)
     for batch in meta.decodes:
         rows = slice(batch.token_start, batch.token_start + batch.num_seqs)
+        out[rows] = _decode_attention(q[rows], layer_cache, batch, scale)
+    return out
+
+
+def _decode_attention(q, layer_cache, batch: DecodeBatch, scale: float) -> torch.Tensor:
+    """q: [num_seqs, heads, head_dim], the batch's rows -> their attention, same shape."""
+    if batch.first_slot is not None:  # [2, 1, max_context, kv_heads, head_dim], a view
+        kv = layer_cache[:, None, batch.first_slot : batch.first_slot + batch.max_context]
+    else:
         blocks = layer_cache.view(2, -1, *batch.kv_buffer.shape[2:])
         kv = torch.index_select(blocks, 1, batch.block_table, out=batch.kv_buffer)
         # K and V of every sequence: [2, num_seqs, max_context, kv_heads, head_dim]
         kv = kv.view(2, batch.num_seqs, -1, *kv.shape[3:])[:, :, : batch.max_context]
-        out[rows] = _decode_sdpa(q[rows], kv[0], kv[1], batch.mask, scale)
-    return out
+    return _decode_sdpa(q, kv[0], kv[1], batch.mask, scale)
 
 
 def _decode_sdpa(q, k, v, mask, scale):

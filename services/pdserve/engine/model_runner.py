@@ -70,7 +70,9 @@ class ModelRunner:
         )
         if not inputs.sampled:
             return [], None
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        # When every row yields a token (a decode step), sample_rows is all rows in order.
+        rows = hidden if len(inputs.sampled) == len(hidden) else hidden[inputs.sample_rows]
+        logits = self.model.compute_logits(rows)
         states = [sampling_state(s.request, self.device) for s in inputs.sampled]
         return inputs.sampled, self.sampler(logits, states)
 
@@ -149,25 +151,38 @@ class ModelRunner:
         context_lens = [s.start + 1 for s in decodes]
         max_context = max(context_lens)
         max_blocks = num_blocks_for(max_context, self.block_size)
+        mask = self._decode_mask(context_lens)
+        first_ids = decodes[0].request.block_ids[:max_blocks]
+        if len(decodes) == 1 and mask is None and _follow_each_other(first_ids):
+            slot = first_ids[0] * self.block_size
+            return DecodeBatch(token_start, 1, max_context, None, None, None, first_slot=slot)
         # [num_seqs * max_blocks], sequence by sequence; short rows padded with block 0
         table = []
         for s in decodes:
             ids = s.request.block_ids[:max_blocks]
             table.extend(ids + [0] * (max_blocks - len(ids)))
-        window = self.sliding_window
-        mask = None
-        if min(context_lens) < max_context or (window is not None and max_context > window):
-            key_pos = torch.arange(max_context).unsqueeze(0)
-            lens = torch.tensor(context_lens).unsqueeze(1)
-            mask = key_pos < lens
-            if window is not None:
-                mask &= key_pos >= lens - window
-            mask = mask[:, None, None, :].to(self.device)
         blocks = self.kv_cache.blocks
         kv_buffer = blocks.new_empty((2, len(decodes) * max_blocks, *blocks.shape[3:]))
         return DecodeBatch(
             token_start, len(decodes), max_context, self._tensor(table), mask, kv_buffer
         )
+
+    def _decode_mask(self, context_lens: list[int]) -> torch.Tensor | None:
+        """[num_seqs, 1, 1, max_context] bool, or None where every key is seen."""
+        max_context, window = max(context_lens), self.sliding_window
+        if min(context_lens) == max_context and (window is None or max_context <= window):
+            return None
+        key_pos = torch.arange(max_context).unsqueeze(0)
+        lens = torch.tensor(context_lens).unsqueeze(1)
+        mask = key_pos < lens
+        if window is not None:
+            mask &= key_pos >= lens - window
+        return mask[:, None, None, :].to(self.device)
+
+
+def _follow_each_other(block_ids: list[int]) -> bool:
+    """Whether the blocks are consecutive in the cache: their slots are one range."""
+    return block_ids == list(range(block_ids[0], block_ids[0] + len(block_ids)))
 
 
 def sampling_state(request: Request, device: torch.device) -> SamplingState:

@@ -28,9 +28,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, as the HF reference does.
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        # One fused op, the weight included (the CPU kernel accumulates in float32). In
+        # float32 it is HF's weight * normed bit for bit; in half precision it rounds once,
+        # after the weight, where HF rounds before it too: at most one ulp apart. A
+        # decode step runs 61 of them; the float round trip took 3-6 us more each.
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 class DecoderLayer(nn.Module):
