@@ -94,6 +94,7 @@ class GGUFCheckpoint:
             self._reader = gguf.GGUFReader(path, "r")
         except (OSError, ValueError, KeyError, IndexError) as exc:
             raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+        self._vocab: GGUFVocab | None = None
         self.gguf_architecture = str(self.get("general.architecture", ""))
         if self.gguf_architecture not in ARCHITECTURES:
             raise ModelLoadError(
@@ -159,6 +160,12 @@ class GGUFCheckpoint:
         return raw
 
     def vocab(self) -> GGUFVocab:
+        """The tokenizer's metadata, read once (the tokenizer and the chat template share it)."""
+        if self._vocab is None:
+            self._vocab = self._read_vocab()
+        return self._vocab
+
+    def _read_vocab(self) -> GGUFVocab:
         get = self.get
         if "tokenizer.ggml.tokens" not in self._reader.fields:
             raise ModelLoadError(f"{self.path}: no tokenizer (tokenizer.ggml.tokens missing)")
