@@ -324,11 +324,25 @@ async def test_cancelled_decode_stream_frees_blocks_at_once(cluster):
     await channels.close()
 
 
-async def test_cancelled_prefill_releases_the_lease_on_both_sides(cluster):
-    prefill, (decode, _) = cluster
-    prompt = prompts([3000], seed=10)[0]
+@pytest.fixture(scope="module")
+def slow_prefill(demo_model_dir, tmp_path_factory):
+    """A prefill worker that computes a prompt 16 tokens per engine step: a long prompt
+    is still computing a few hundred steps after it starts."""
+    logs = tmp_path_factory.mktemp("slow-prefill")
+    args = ("--max-num-batched-tokens", "16")
+    with worker_process("prefill", demo_model_dir, *args, log_dir=logs) as prefill:
+        yield prefill
+
+
+async def test_cancelled_prefill_releases_the_lease_on_both_sides(cluster, slow_prefill):
+    # The caller leaves while its prompt computes. (A caller that leaves after the reply
+    # left a committed lease whose stream never attached: the decode worker reaps that one
+    # later, so cancelling at a fixed time after the call proved nothing when a warm,
+    # cached prompt came back first.)
+    _, (decode, _) = cluster
+    prompt = prompts([3000], seed=11)[0]  # in no prefix cache
     lease = admit(decode, prompt)
-    async with prefill.channel() as ch:
+    async with slow_prefill.channel() as ch:
         call = prefill_pb2_grpc.PrefillStub(ch).Prefill(
             prefill_pb2.PrefillRequest(
                 prompt_token_ids=prompt,
@@ -336,12 +350,13 @@ async def test_cancelled_prefill_releases_the_lease_on_both_sides(cluster):
                 target=prefill_pb2.KVTarget(address=decode.address, lease_id=lease.lease_id),
             )
         )
-        await asyncio.sleep(0.05)
+        while (await asyncio.to_thread(slow_prefill.load)).running == 0:
+            await asyncio.sleep(0.002)
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
     assert_idle(decode)
-    assert_idle(prefill)
+    assert_idle(slow_prefill)
 
 
 def test_model_mismatch_is_refused_at_handshake(demo_model_dir, cluster, tmp_path):
