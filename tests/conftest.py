@@ -21,6 +21,22 @@ os.environ.setdefault("PDSERVE_PREFILL_PLACEMENT", "remote")
 # (tests/test_huge_pages.py). Children inherit it.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "0")
 
+# The suite's engines compute in float32 on every machine: its token-identity tests hold
+# them to transformers' fp32 output. `--dtype auto`, the default, is bfloat16 on a CPU
+# with AMX or AVX512-BF16; its own tests ask for it (tests/test_dtype.py). Children
+# inherit the variable; engines in this process get `float32_engines` below.
+os.environ.setdefault("PDSERVE_DTYPE", "float32")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def float32_engines():
+    """`auto` means float32 for the engines the tests build in process."""
+    from pdserve.engine import config
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(config, "native_dtype", lambda device: "float32")
+        yield
+
 
 @pytest.fixture(scope="session")
 def redis_url():

@@ -257,6 +257,8 @@ def test_status_from_the_registry_lists_the_worker(cluster, capsys):
     assert header.split()[:3] == ["ROLE", "WORKER", "ADDRESS"]
     [row] = [r for r in rows if cluster["worker"] in r]
     assert row.split()[0] == "both" and "healthy" in row.split()
+    # the suite pins float32 (tests/conftest.py): the column says what the worker computes in
+    assert row.split()[header.split().index("DTYPE") - 1] == "float32"  # "KV FREE/TOTAL" is 3 words
 
 
 def test_status_from_the_router_json(cluster, capsys):
@@ -265,6 +267,7 @@ def test_status_from_the_router_json(cluster, capsys):
     [worker] = [w for w in json.loads(out) if w["address"] == cluster["worker"]]
     assert worker["role"] == "both" and worker["healthy"]
     assert 0 < worker["free_blocks"] <= worker["total_blocks"]
+    assert worker["dtype"] == "float32"
     assert worker["heartbeat_age_s"] < WORKERS_TIMEOUT_S
 
 

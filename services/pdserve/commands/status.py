@@ -35,6 +35,7 @@ COLUMNS = (
     "RUNNING",
     "WAITING",
     "KV FREE/TOTAL",
+    "DTYPE",
     "HEARTBEAT",
     "METRICS",
 )
@@ -47,6 +48,7 @@ JSON_FIELDS = (
     "waiting",
     "free_blocks",
     "total_blocks",
+    "dtype",
     "updated_at",
     "metrics_address",
 )
@@ -126,6 +128,7 @@ def _row(worker: WorkerInfo, now: float) -> tuple[str, ...]:
         str(worker.running),
         str(worker.waiting),
         f"{worker.free_blocks}/{worker.total_blocks}",
+        worker.dtype or "-",
         f"{_age(worker, now):.1f}s ago",
         metrics_url(worker.metrics_address) if worker.metrics_address else "-",
     )

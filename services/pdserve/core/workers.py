@@ -37,6 +37,7 @@ class WorkerInfo:
     # host:port of its KVTransfer when on a port of its own (--kv-port); "": on `address`
     kv_address: str = ""
     protocol_version: int = PROTOCOL_VERSION  # what it speaks (core/protocol.py)
+    dtype: str = ""  # of its weights and KV cache ("bfloat16"); "": not reported
     # where to prefill (router/disaggregation.py): prompt tokens still to compute there,
     # its recent step time, its recent prefill speed, its engine's tokens per step, the
     # smallest max_tokens of its running requests; 0: not measured (or an older worker)

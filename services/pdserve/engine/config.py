@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.scheduler import SchedulerConfig
 from pdserve.engine.scheduling import DEFAULT_AGING, DEFAULT_DEADLINE_SCALE, SchedulingPolicy
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 # Share of the free GPU memory (after weights) that the KV cache takes at start-up.
 CUDA_KV_CACHE_FRACTION = 0.85
@@ -30,7 +30,13 @@ class EngineConfig:
         metadata={"help": "cpu, cuda[:N] or auto (cuda if present, chosen at start-up)"},
     )
     dtype: str = field(
-        default="float32", metadata={"help": "weights and KV cache dtype", "choices": DTYPES}
+        default="auto",
+        metadata={
+            "help": "weights and KV cache dtype; auto (chosen at start-up): bfloat16 where "
+            "the hardware computes it natively (a CPU with AMX or AVX512-BF16, a GPU with "
+            "bf16), else float32 on a CPU and float16 on a GPU",
+            "choices": DTYPES,
+        },
     )
     block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
     # An explicit KV pool size wins over the memory budget.
@@ -90,6 +96,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu', 'cuda[:N]' or 'auto', got {self.device!r}")
         if self.device.startswith("cuda") and not _cuda_available():
             raise ValueError(f"device {self.device!r} asked for, but CUDA is not available")
+        if self.dtype == "auto":
+            self.dtype = native_dtype(self.device)
         self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)
         if self.scheduling_aging <= 0:
             raise ValueError(f"scheduling_aging must be > 0, got {self.scheduling_aging}")
@@ -122,6 +130,24 @@ class EngineConfig:
         import torch
 
         return getattr(torch, self.dtype)
+
+
+def native_dtype(device: str) -> str:
+    """The dtype `auto` means on `device`: bfloat16 where its matrix units compute it
+    (AMX or AVX512-BF16 on a CPU; on a GPU, whatever reports bf16 support), else float32
+    on a CPU (bf16 there is converted to fp32 for every op: slower, not faster) and
+    float16 on a GPU."""
+    import torch
+
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16" if cpu_computes_bf16(torch.cpu.get_capabilities()) else "float32"
+
+
+def cpu_computes_bf16(capabilities: dict) -> bool:
+    """Whether a CPU with these capabilities (`torch.cpu.get_capabilities()`) has bf16
+    matrix instructions."""
+    return bool(capabilities.get("amx_bf16") or capabilities.get("avx512_bf16"))
 
 
 def _cuda_available() -> bool:

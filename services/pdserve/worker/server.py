@@ -32,7 +32,9 @@ HEARTBEAT_INTERVAL_S = 1.0
 def _load_engine(config: WorkerConfig) -> tuple[LLMEngine, str]:
     if config.threads:
         torch.set_num_threads(config.threads)
-    return LLMEngine(config.engine), model_fingerprint(config.model)
+    engine = config.engine
+    log.info("engine on %s: %s weights and KV cache", engine.device, engine.dtype)
+    return LLMEngine(engine), model_fingerprint(config.model)
 
 
 class WorkerApp:

@@ -103,6 +103,7 @@ class Worker:
             prefill_tokens_per_s=self.loop.step_stats.prefill_tokens_per_s,
             step_token_budget=engine.config.max_num_batched_tokens,
             shortest_running_output=self.loop.step_stats.shortest_running_output,
+            dtype=engine.config.dtype,
         )
 
     async def start_local(

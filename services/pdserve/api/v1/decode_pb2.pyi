@@ -93,7 +93,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "free_blocks", "total_blocks", "running", "waiting", "open_leases", "block_size", "protocol_version", "model_fingerprint", "kv_address", "queued_prefill_tokens", "step_time_ms", "prefill_tokens_per_s", "step_token_budget", "shortest_running_output")
+    __slots__ = ("role", "free_blocks", "total_blocks", "running", "waiting", "open_leases", "block_size", "protocol_version", "model_fingerprint", "kv_address", "queued_prefill_tokens", "step_time_ms", "prefill_tokens_per_s", "step_token_budget", "shortest_running_output", "dtype")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class WorkerLoad(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     STEP_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     SHORTEST_RUNNING_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     role: str
     free_blocks: int
     total_blocks: int
@@ -124,7 +125,8 @@ class WorkerLoad(_message.Message):
     prefill_tokens_per_s: float
     step_token_budget: int
     shortest_running_output: int
-    def __init__(self, role: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., open_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., protocol_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_address: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., step_token_budget: _Optional[int] = ..., shortest_running_output: _Optional[int] = ...) -> None: ...
+    dtype: str
+    def __init__(self, role: _Optional[str] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., open_leases: _Optional[int] = ..., block_size: _Optional[int] = ..., protocol_version: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., kv_address: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., step_time_ms: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., step_token_budget: _Optional[int] = ..., shortest_running_output: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class RelayCommand(_message.Message):
     __slots__ = ("attach", "detach")

@@ -114,7 +114,7 @@ class ListWorkersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "healthy", "free_blocks", "total_blocks", "running", "waiting", "updated_at", "metrics_address")
+    __slots__ = ("worker_id", "role", "address", "healthy", "free_blocks", "total_blocks", "running", "waiting", "updated_at", "metrics_address", "dtype")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class WorkerStatus(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -135,7 +136,8 @@ class WorkerStatus(_message.Message):
     waiting: int
     updated_at: float
     metrics_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., updated_at: _Optional[float] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    dtype: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., updated_at: _Optional[float] = ..., metrics_address: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ListWorkersResponse(_message.Message):
     __slots__ = ("workers",)

@@ -102,4 +102,5 @@ def worker_info_from_status(msg: router_pb2.WorkerStatus) -> WorkerInfo:
         updated_at=msg.updated_at,
         healthy=msg.healthy,
         metrics_address=msg.metrics_address,
+        dtype=msg.dtype,
     )

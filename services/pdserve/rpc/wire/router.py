@@ -39,6 +39,7 @@ def worker_info_from_load(
         prefill_tokens_per_s=load.prefill_tokens_per_s,
         step_token_budget=load.step_token_budget,
         shortest_running_output=load.shortest_running_output,
+        dtype=load.dtype,
     )
     if load.block_size:  # 0: a worker older than the field, so WorkerInfo's default stands
         fields["block_size"] = load.block_size
@@ -162,4 +163,5 @@ def worker_status_to_proto(worker: WorkerInfo) -> router_pb2.WorkerStatus:
         waiting=worker.waiting,
         updated_at=worker.updated_at,
         metrics_address=worker.metrics_address,
+        dtype=worker.dtype,
     )

@@ -115,6 +115,7 @@ def worker_load_to_proto(info: WorkerInfo) -> decode_pb2.WorkerLoad:
         prefill_tokens_per_s=info.prefill_tokens_per_s,
         step_token_budget=info.step_token_budget,
         shortest_running_output=info.shortest_running_output,
+        dtype=info.dtype,
     )
 
 
