@@ -230,20 +230,7 @@ def create_app(gateway: OpenAIGateway) -> FastAPI:
     ) -> Response:
         return await gateway.completions(body, caller, ttft_slo_ms)
 
-    @app.post("/v1/responses")
-    async def create_response(
-        body: ResponsesRequest, caller: Authenticated, ttft_slo_ms: TtftSlo
-    ) -> Response:
-        return await gateway.responses(body, caller, ttft_slo_ms)
-
-    @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str, caller: Authenticated) -> dict:
-        return (await gateway.stored(response_id, caller)).response
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str, caller: Authenticated) -> dict:
-        await gateway.forget(response_id, caller)
-        return {"id": response_id, "object": "response", "deleted": True}
+    _add_responses_routes(app, gateway)
 
     @app.get("/v1/models", dependencies=keyed)
     async def models() -> dict:
@@ -272,6 +259,25 @@ def create_app(gateway: OpenAIGateway) -> FastAPI:
 
     _add_error_handlers(app)
     return app
+
+
+def _add_responses_routes(app: FastAPI, gateway: OpenAIGateway) -> None:
+    """The Responses API: create, and a stored response's GET and DELETE."""
+
+    @app.post("/v1/responses")
+    async def create_response(
+        body: ResponsesRequest, caller: Authenticated, ttft_slo_ms: TtftSlo
+    ) -> Response:
+        return await gateway.responses(body, caller, ttft_slo_ms)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, caller: Authenticated) -> dict:
+        return (await gateway.stored(response_id, caller)).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, caller: Authenticated) -> dict:
+        await gateway.forget(response_id, caller)
+        return {"id": response_id, "object": "response", "deleted": True}
 
 
 def _add_error_handlers(app: FastAPI) -> None:

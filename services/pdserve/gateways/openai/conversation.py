@@ -79,20 +79,6 @@ class Turn:
         """The conversation after this turn, as a response stores it."""
         return self.history + self.inputs + [_message("assistant", output_text)]
 
-    def param_of(self, param: str) -> str:
-        """A chat request's field (`messages[3].content`) as this request named it."""
-        if not param.startswith("messages"):
-            return RENAMED.get(param, param)
-        index_text = param.removeprefix("messages[").split("]", 1)[0]
-        if not index_text.isdigit():
-            return "input"
-        index = int(index_text) - len(self.messages) + len(self.inputs)
-        if index >= 0:
-            return f"input[{index}]" if len(self.inputs) > 1 or index else "input"
-        return (
-            "instructions" if int(index_text) == 0 and self.instructions else "previous_response_id"
-        )
-
 
 def input_messages(input: str | list[InputItem]) -> list[Message]:
     """`input` as chat messages; a 400 naming the item that is not a text message."""
@@ -173,16 +159,25 @@ def router_requests(
     try:
         routed = convert.chat_requests(chat, template, limits)
     except OpenAIError as exc:
-        raise _renamed(turn, exc.param, exc.message) from None
+        raise _renamed(exc.param, exc.message) from None
     except InvalidRequestError as exc:
-        raise _renamed(turn, exc.field, f"{exc.field}: {exc.message}") from None
+        raise _renamed(exc.field, f"{exc.field}: {exc.message}") from None
     return replace(routed, names=PARAM_NAMES)
 
 
-def _renamed(turn: Turn, param: str | None, message: str) -> OpenAIError:
+def param_name(param: str) -> str:
+    """A chat request's field as a Responses request names it: the messages are
+    rendered whole (the template or the prompt limit refuses them), so they are `input`."""
+    if param.startswith("messages"):
+        return "input"
+    return RENAMED.get(param, param)
+
+
+def _renamed(param: str | None, message: str) -> OpenAIError:
+    """A chat conversion's error, naming the field (in its message too) as the client did."""
     if param is None:
         return bad_request(None, message)
-    name = turn.param_of(param)
-    return bad_request(
-        name, name + message.removeprefix(param) if message.startswith(param) else message
-    )
+    name = param_name(param)
+    if message.startswith(param):
+        message = name + message.removeprefix(param)
+    return bad_request(name, message)
