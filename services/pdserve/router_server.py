@@ -169,7 +169,7 @@ class RouterApp:
                 metrics=registry,
                 grace_s=config.grace_s,
                 gate=self.gate,
-                responses=self.responses,
+                response_store=self.responses,
             )
             fields["http"] = self.http.address
         return fields

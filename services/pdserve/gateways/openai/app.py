@@ -76,10 +76,10 @@ class OpenAIGateway:
         chat_template: ChatTemplate | None,
         metrics: CollectorRegistry | None = None,
         gate: Gate | None = None,
-        responses: ResponseStore | None = None,  # None: nothing is stored
+        response_store: ResponseStore | None = None,  # None: nothing is stored
     ):
         self.frontend, self.chat_template, self.metrics = frontend, chat_template, metrics
-        self.response_store = responses
+        self.response_store = response_store
         self.gate = gate or Gate(None, None)  # None: no keys, every caller anonymous
         self.texts = TokenTexts(frontend.tokenizer)
         self.created = int(time.time())

@@ -65,13 +65,13 @@ class HttpServer:
         metrics: CollectorRegistry | None = None,
         grace_s: float = 30.0,
         gate: Gate | None = None,
-        responses: ResponseStore | None = None,
+        response_store: ResponseStore | None = None,
     ) -> HttpServer:
         """Serve on `host:port` from now on; OSError if the port is taken. `gate` checks
         the API keys (None: no keys, as the router's gRPC port without a key file);
-        `responses` keeps the Responses API's stored responses (None: none are kept)."""
+        `response_store` keeps the Responses API's stored responses (None: none are)."""
         template = ChatTemplate.load(model_dir, frontend.tokenizer)
-        app = create_app(OpenAIGateway(frontend, template, metrics, gate, responses))
+        app = create_app(OpenAIGateway(frontend, template, metrics, gate, response_store))
         config = uvicorn.Config(
             ServerSend(BodyLimit(app, frontend.limits.max_json_body_bytes())),
             http="httptools",
