@@ -11,13 +11,20 @@ from dataclasses import dataclass
 
 import httpx
 import openai
+import pydantic
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
 from procs import pdserve_process
 
+from pdserve.cli import build_parser
 from pdserve.cluster.local import ClusterShape, LocalCluster, num_healthy_workers
 from pdserve.cluster.processes import router_args
+from pdserve.core.errors import InvalidRequestError, StateUnavailableError
+from pdserve.core.flags import config_from_args
 from pdserve.router.auth.caller import KeyLimits
 from pdserve.router.auth.keys import new_key, write_key_file
+from pdserve.router.config import DEFAULT_RESPONSE_TTL_S, RouterConfig
+from pdserve.state.conversations import ResponseStore, StoredResponse
 
 MODEL = "demo-responses"
 # the demo model's greedy answer to this ends (its end of turn) after a few tokens; to
@@ -343,6 +350,25 @@ def test_text_format_is_answered_as_chat_answers_response_format(
         assert response.output_text == chat.choices[0].message.content
 
 
+def test_the_raw_response_and_events_validate_as_the_openai_packages_types(door):
+    """The client builds its objects without validating them: here pydantic checks every
+    field name and type of what the door sent against the package's own models."""
+    headers = {"authorization": f"Bearer {door.keys['a']}"}
+    url = f"{door.cluster.openai_url}/responses"
+    body = {**GREEDY, "input": STOPPING_INPUT, "max_output_tokens": 24, "metadata": {"k": "v"}}
+    whole = httpx.post(url, json=body, headers=headers, timeout=30).json()
+    Response.model_validate(whole)
+    events = pydantic.TypeAdapter(ResponseStreamEvent)
+    with httpx.stream("POST", url, json={**body, "stream": True}, headers=headers) as streamed:
+        lines = [line for line in streamed.iter_lines() if line]
+    names = [line.removeprefix("event: ") for line in lines[0::2]]
+    payloads = [line.removeprefix("data: ") for line in lines[1::2]]
+    validated = [events.validate_json(payload) for payload in payloads]
+    assert [event.type for event in validated] == names
+    assert validated[-1].type == "response.completed"
+    assert validated[-1].response.output_text == Response.model_validate(whole).output_text
+
+
 def test_an_unknown_id_is_a_404_in_openais_shape(door):
     url = f"{door.cluster.openai_url}/responses/resp_nothing"
     reply = httpx.get(url, headers={"authorization": f"Bearer {door.keys['a']}"})
@@ -353,3 +379,57 @@ def test_an_unknown_id_is_a_404_in_openais_shape(door):
         "param": "response_id",
         "code": "not_found",
     }
+
+
+# -- the store itself, on the same real Redis --------------------------------------------------
+
+STORED = StoredResponse({"id": "resp_x", "output": []}, [{"role": "user", "content": "hi"}])
+
+
+async def test_the_store_keeps_a_response_for_its_ttl_and_forgets_it_on_delete(redis_url):
+    store = ResponseStore(redis_url, ttl_s=30, key_prefix="test-responses")
+    try:
+        await store.put("key/resp_x", STORED)
+        assert await store.get("key/resp_x") == STORED
+        assert await store.get("other/resp_x") is None
+        ttl_ms = await store._redis.pttl("test-responses:resp:key/resp_x")
+        assert 29_000 < ttl_ms <= 30_000
+        assert await store.delete("key/resp_x") is True
+        assert await store.get("key/resp_x") is None
+        assert await store.delete("key/resp_x") is False
+    finally:
+        await store.close()
+
+
+async def test_the_store_refuses_a_record_over_its_bound_naming_store(redis_url):
+    store = ResponseStore(redis_url, ttl_s=30, key_prefix="test-responses", max_record_bytes=64)
+    try:
+        with pytest.raises(InvalidRequestError) as refused:
+            await store.put("resp_big", StoredResponse({"id": "x" * 64}, []))
+        assert refused.value.field == "store"
+        assert await store.get("resp_big") is None
+    finally:
+        await store.close()
+
+
+async def test_the_store_without_redis_is_unavailable_within_a_second():
+    store = ResponseStore("redis://127.0.0.1:1", ttl_s=30)
+    started = time.monotonic()
+    try:
+        with pytest.raises(StateUnavailableError):
+            await store.get("resp_x")
+    finally:
+        await store.close()
+    assert time.monotonic() - started < 1.5
+
+
+def test_the_response_ttl_is_a_router_flag_and_a_variable():
+    parse = build_parser().parse_args
+    base = ["router", "--model", "m", "--redis-url", "redis://r"]
+    assert config_from_args(RouterConfig, parse(base), {}).response_ttl_s == DEFAULT_RESPONSE_TTL_S
+    flagged = config_from_args(RouterConfig, parse([*base, "--response-ttl", "60"]), {})
+    assert flagged.response_ttl_s == 60
+    from_env = config_from_args(RouterConfig, parse(base), {"PDSERVE_RESPONSE_TTL": "90"})
+    assert from_env.response_ttl_s == 90
+    with pytest.raises(ValueError, match="response_ttl_s"):
+        RouterConfig(model="m", redis_url="redis://r", response_ttl_s=0)

@@ -37,7 +37,11 @@ def response_usage(final: router_pb2.GenerateResponse) -> dict:
     usage = final.usage
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+        # the prefix cache fills itself as prompts run: no writes a client asked for
+        "input_tokens_details": {
+            "cached_tokens": usage.cached_prompt_tokens,
+            "cache_write_tokens": 0,
+        },
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
