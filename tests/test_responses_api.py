@@ -299,6 +299,9 @@ def bad_request(client: openai.OpenAI, **fields) -> dict:
         ({"extra_body": {"frobnicate": 1}}, "frobnicate"),
         ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
         ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
+        # a refused field is refused before the id is looked up
+        ({"truncation": "auto", "previous_response_id": "resp_nothing"}, "truncation"),
         ({"input": []}, "input"),
         (
             {"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]},

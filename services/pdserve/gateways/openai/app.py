@@ -131,15 +131,17 @@ class OpenAIGateway:
         """A Responses request as a chat (`conversation`), after the conversation it
         continues; stored at its end unless `store: false`."""
         self.check_model(body.model)
+        conversation.check_supported(body)
         if body.stores and self.response_store is None:
             raise OpenAIError(
                 BAD_REQUEST, "this router keeps no responses: send store: false", "store"
             )
+        inputs = conversation.input_messages(body.input)
         history = []
         if body.previous_response_id is not None:
             previous = await self.stored(body.previous_response_id, caller, "previous_response_id")
             history = previous.conversation
-        turn = Turn.of(body, history)
+        turn = Turn(history, inputs, body.instructions)
         routed = await asyncio.to_thread(
             conversation.router_requests, body, turn, self.chat_template, self.frontend.limits
         )

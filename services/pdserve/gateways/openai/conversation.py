@@ -65,10 +65,6 @@ class Turn:
     inputs: list[Message]
     instructions: str | None
 
-    @classmethod
-    def of(cls, request: ResponsesRequest, history: list[Message]) -> Turn:
-        return cls(history, input_messages(request.input), request.instructions)
-
     @property
     def messages(self) -> list[Message]:
         """What the chat template renders: instructions, history, input."""
@@ -78,6 +74,17 @@ class Turn:
     def continued(self, output_text: str) -> list[Message]:
         """The conversation after this turn, as a response stores it."""
         return self.history + self.inputs + [_message("assistant", output_text)]
+
+
+def check_supported(request: ResponsesRequest) -> None:
+    """A 400 naming the first field that asks for what pdserve does not do, or a
+    `text.format` it does not know: before the request costs a lookup."""
+    name = unsupported_field(request, RESPONSES_UNSUPPORTED_FIELDS)
+    if name is None and request.text is not None and request.text.verbosity is not None:
+        name = "text.verbosity"
+    if name is not None:
+        raise bad_request(name, f"{name}: not supported by pdserve")
+    response_format(request)
 
 
 def input_messages(input: str | list[InputItem]) -> list[Message]:
@@ -119,8 +126,6 @@ def _message(role: str, content: str) -> Message:
 def response_format(request: ResponsesRequest) -> dict | None:
     """`text.format` as chat's `response_format` (None: plain text)."""
     format = request.text.format if request.text is not None else None
-    if request.text is not None and request.text.verbosity is not None:
-        raise bad_request("text.verbosity", "text.verbosity: not supported by pdserve")
     if format is None or format.get("type") == TEXT_FORMAT:
         return None
     kind = format.get("type")
@@ -133,10 +138,7 @@ def response_format(request: ResponsesRequest) -> dict | None:
 
 
 def chat_request(request: ResponsesRequest, turn: Turn) -> ChatCompletionRequest:
-    """The turn as the chat endpoint's request body."""
-    name = unsupported_field(request, RESPONSES_UNSUPPORTED_FIELDS)
-    if name is not None:
-        raise bad_request(name, f"{name}: not supported by pdserve")
+    """The turn as the chat endpoint's request body (`check_supported` passed)."""
     return ChatCompletionRequest(
         model=request.model,
         messages=turn.messages,
