@@ -13,6 +13,9 @@ import httpx
 import openai
 import pydantic
 import pytest
+from fuzz_strategies import fuzz_settings
+from hypothesis import given
+from hypothesis import strategies as st
 from openai.types.responses import Response, ResponseStreamEvent
 from procs import pdserve_process
 
@@ -370,6 +373,71 @@ def test_the_raw_response_and_events_validate_as_the_openai_packages_types(door)
     assert [event.type for event in validated] == names
     assert validated[-1].type == "response.completed"
     assert validated[-1].response.output_text == Response.model_validate(whole).output_text
+
+
+FLOATS = st.floats(allow_nan=False, allow_infinity=False)  # what JSON can carry
+JSON = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(), FLOATS, st.text(max_size=8)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+ITEMS = st.lists(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "type": st.sampled_from(["message", "function_call_output", "x"]),
+            "role": st.sampled_from(["user", "assistant", "system", "developer", "tool"]),
+            "content": st.one_of(
+                st.text(max_size=12),
+                st.lists(
+                    st.fixed_dictionaries(
+                        {"type": st.sampled_from(["input_text", "output_text", "input_image"])},
+                        optional={"text": st.one_of(st.text(max_size=8), JSON)},
+                    ),
+                    max_size=2,
+                ),
+                JSON,
+            ),
+            "id": JSON,
+        },
+    ),
+    max_size=3,
+)
+BODIES = st.fixed_dictionaries(
+    {"model": st.sampled_from([MODEL, "other"]), "max_output_tokens": st.integers(-1, 3)},
+    optional={
+        "input": st.one_of(st.text(max_size=20), ITEMS, JSON),
+        "instructions": st.one_of(st.text(max_size=12), JSON),
+        "text": st.one_of(st.fixed_dictionaries({"format": JSON}), JSON),
+        "temperature": st.one_of(st.floats(-1, 3), JSON),
+        "top_p": st.one_of(st.floats(-1, 2), JSON),
+        "store": st.one_of(st.booleans(), JSON),
+        "stream": st.booleans(),
+        "previous_response_id": st.one_of(st.text(max_size=12), JSON),
+        "metadata": JSON,
+        "tools": JSON,
+    },
+)
+
+
+@fuzz_settings(40)
+@given(body=BODIES)
+def test_no_body_is_answered_with_a_500_or_a_traceback(door, body):
+    headers = {"authorization": f"Bearer {door.keys['a']}"}
+    url = f"{door.cluster.openai_url}/responses"
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=30) as reply:
+        text = reply.read().decode()
+    assert reply.status_code in (200, 400, 404), text
+    assert "Traceback" not in text
+    if reply.status_code != 200:
+        error = httpx.Response(reply.status_code, content=text).json()["error"]
+        assert error["message"] and error["type"] == "invalid_request_error"
+    elif body.get("stream") is True:
+        assert "event: response.created" in text and "event: error" not in text
+    else:
+        assert httpx.Response(200, content=text).json()["object"] == "response"
 
 
 def test_an_unknown_id_is_a_404_in_openais_shape(door):
