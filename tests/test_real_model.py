@@ -203,3 +203,20 @@ def test_the_openai_client_hears_that_paris_is_the_capital_of_france(cluster, mo
     answer_ids = tokenizer.encode(answer, add_special_tokens=False)
     assert whole.usage.completion_tokens == len(answer_ids) + 1
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_a_responses_conversation_remembers_its_first_turn(cluster, model):
+    """The follow-up asks only "And of Italy?": the model answers Rome only when the
+    stored first turn (France, Paris) goes before it in the prompt."""
+    client = openai.OpenAI(base_url=cluster.openai_url, api_key="unused")
+    turn = {"model": served_name(model), "instructions": "Answer in one sentence."}
+    greedy = {"temperature": 0, "max_output_tokens": 32}
+    first = client.responses.create(input="What is the capital of France?", **turn, **greedy)
+    follow = client.responses.create(
+        input="And of Italy?", previous_response_id=first.id, **turn, **greedy
+    )
+    assert "Paris" in first.output_text and first.status == "completed"
+    assert "Rome" in follow.output_text and follow.status == "completed"
+    alone = client.responses.create(input="And of Italy?", store=False, **turn, **greedy)
+    assert "Rome" not in alone.output_text  # what the stored turn made it say
+    assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens

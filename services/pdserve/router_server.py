@@ -39,6 +39,7 @@ from pdserve.rpc import server as rpc_server
 from pdserve.rpc.registration import Service
 from pdserve.rpc.server import KEEPALIVE_OPTIONS, ServerOptions, SidePort
 from pdserve.rpc.tls import ChannelTls, server_tls
+from pdserve.state.conversations import ResponseStore
 from pdserve.state.registry import WorkerRegistry
 from pdserve.state.requests import RequestStore
 from pdserve.telemetry import metrics, tracing
@@ -128,6 +129,7 @@ class RouterApp:
         self.kserve = kserve.KServeServicer(self.frontend, discovery=self.discovery)
         self.metrics: ProcessMetrics | None = None  # once started, with --metrics-port
         self.http: openai_gateway.HttpServer | None = None  # once started, with --http-port
+        self.responses: ResponseStore | None = None  # the Responses API's, with the HTTP door
 
     @property
     def interceptors(self) -> list[ApiKeyInterceptor]:
@@ -158,6 +160,7 @@ class RouterApp:
             fields["metrics"] = self.metrics.address
         if config.http_port is not None:
             registry = None if self.metrics is None else self.metrics.registry
+            self.responses = _response_store(config, self.frontend.limits)
             self.http = await openai_gateway.HttpServer.start(
                 self.frontend,
                 config.host,
@@ -166,6 +169,7 @@ class RouterApp:
                 metrics=registry,
                 grace_s=config.grace_s,
                 gate=self.gate,
+                response_store=self.responses,
             )
             fields["http"] = self.http.address
         return fields
@@ -178,6 +182,8 @@ class RouterApp:
     async def close(self) -> None:
         if self.http is not None:
             await self.http.close()
+        if self.responses is not None:
+            await self.responses.close()
         if self.metrics is not None:
             self.metrics.close()
         await self.frontend.cancel_bus.close()
@@ -203,6 +209,16 @@ def _frontend(config: RouterConfig, runner, store) -> Frontend:
         router_id=config.router_id,
         limits=config.request_limits(model_config.max_position_embeddings),
         admission=AdmissionQueue(config.admission),
+    )
+
+
+def _response_store(config: RouterConfig, limits: RequestLimits) -> ResponseStore:
+    """Stored responses, each at most twice the largest body the door takes: the
+    conversation (what one body could hold) and the response (its output)."""
+    return ResponseStore(
+        config.redis_url,
+        ttl_s=config.response_ttl_s,
+        max_record_bytes=2 * limits.max_json_body_bytes(),
     )
 
 

@@ -44,6 +44,9 @@ DEFAULT_QUEUE_TIMEOUT_S = 10.0  # a TTFT past which most clients would rather re
 # for either, and bounds the matcher's automaton at 16 x 256 characters per request.
 DEFAULT_MAX_STOP_STRINGS = 16
 DEFAULT_MAX_STOP_LENGTH = 256
+# How long a stored response of the Responses API (and its conversation) is kept: a
+# conversation idle for a day is given up.
+DEFAULT_RESPONSE_TTL_S = 24 * 3600.0
 # HTTP/2 streams one client connection may hold open: a client multiplexes every call on
 # one connection, so this is above the running limit plus the queue (256 + 1024).
 DEFAULT_MAX_CONCURRENT_STREAMS = 2048
@@ -221,6 +224,14 @@ class RouterConfig:
     # --prefill-timeout, --breaker-failures, --breaker-window, --breaker-cooldown,
     # --probe-timeout
     worker_failures: WorkerFailureConfig = field(default_factory=WorkerFailureConfig)
+    response_ttl_s: float = field(
+        default=DEFAULT_RESPONSE_TTL_S,
+        metadata={
+            "help": "seconds the OpenAI door keeps a stored response of the Responses API "
+            "(and the conversation it ended, for previous_response_id) in Redis",
+            "flag": "response-ttl",
+        },
+    )
     api_key_file: str | None = field(
         default=None,
         metadata={
@@ -273,6 +284,8 @@ class RouterConfig:
                 f"ttft_target_s and tpot_target_s must be > 0, got {self.ttft_target_s} "
                 f"and {self.tpot_target_s}"
             )
+        if self.response_ttl_s <= 0:
+            raise ValueError(f"response_ttl_s must be > 0, got {self.response_ttl_s}")
         if self.lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be > 0, got {self.lease_ttl_s}")
         if self.stream_progress_timeout_s <= 0:

@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP API of the router (`pdserve router --http-port N`).
 
 `server.HttpServer` runs it on the router's event loop; `app` holds the routes,
-`protocol` the request bodies, `convert` turns them into the router's requests,
-`responses` the router's answers into OpenAI's JSON, `streams` and `asgi` run them,
-`errors` maps every failure to OpenAI's error shape and status.
+`protocol` the request bodies, `convert` turns them into the router's requests
+(`conversation` a Responses API request into a chat one first), `responses` the
+router's answers into OpenAI's JSON (`response_objects` into the Responses API's),
+`streams` and `asgi` run them, `errors` maps every failure to OpenAI's error shape and
+status.
 
 The server loads on first use: a router without `--http-port` does not import FastAPI
 (a few hundred milliseconds of its start).

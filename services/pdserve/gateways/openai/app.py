@@ -3,6 +3,9 @@ OpenAI's shape, from a malformed body to a missing route.
 
 - `POST /v1/chat/completions`, `POST /v1/completions`: through `Frontend.generate`, whole
   or streamed (server-sent events); see `asgi.GenerationResponse`.
+- `POST /v1/responses`: the Responses API, through the chat path (`conversation`): a
+  stored response (`store`, the default) continues with `previous_response_id` on any
+  router; `GET` and `DELETE /v1/responses/{id}` read and forget one, the caller's own.
 - `GET /v1/models`, `GET /v1/models/{model}`: the one model this router serves, under
   its `--served-model-name`; a request naming another is a 404.
 - `GET /health`, `GET /version`, and `GET /metrics` (the router's Prometheus metrics, as
@@ -16,6 +19,7 @@ is wrong), and a generation is admitted under the key's limits (a 429 with Retry
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Sequence
 from typing import Annotated
@@ -31,8 +35,9 @@ from starlette.requests import Request
 from pdserve import __version__
 from pdserve.core.errors import EngineError, StateUnavailableError
 from pdserve.gateways.chat_template import ChatTemplate
-from pdserve.gateways.openai import convert
+from pdserve.gateways.openai import conversation, convert
 from pdserve.gateways.openai.asgi import Generation, GenerationResponse
+from pdserve.gateways.openai.conversation import Turn
 from pdserve.gateways.openai.errors import (
     BAD_REQUEST,
     METHOD_NOT_ALLOWED,
@@ -42,13 +47,19 @@ from pdserve.gateways.openai.errors import (
     OpenAIError,
     reply_for,
 )
-from pdserve.gateways.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.gateways.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+)
+from pdserve.gateways.openai.response_objects import ResponsesFormat, output_text
 from pdserve.gateways.openai.responses import ChatFormat, CompletionFormat, TokenTexts
 from pdserve.gateways.ttft_target import TTFT_SLO_HEADER, ttft_slo_ms_from_header
 from pdserve.router.auth.caller import Caller
 from pdserve.router.auth.gate import AuthenticationError, Gate
 from pdserve.router.auth.limits import RateLimitedError
 from pdserve.router.frontend import Frontend
+from pdserve.state.conversations import ResponseStore, StoredResponse
 
 OWNER = "pdserve"
 # what pydantic puts in an error's location for the member of a union it tried
@@ -56,8 +67,8 @@ _UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "
 
 
 class OpenAIGateway:
-    """What the routes share: the frontend, the model's chat template and its name, and
-    the gate that checks API keys."""
+    """What the routes share: the frontend, the model's chat template and its name, the
+    gate that checks API keys, and the Responses API's stored responses."""
 
     def __init__(
         self,
@@ -65,8 +76,10 @@ class OpenAIGateway:
         chat_template: ChatTemplate | None,
         metrics: CollectorRegistry | None = None,
         gate: Gate | None = None,
+        response_store: ResponseStore | None = None,  # None: nothing is stored
     ):
         self.frontend, self.chat_template, self.metrics = frontend, chat_template, metrics
+        self.response_store = response_store
         self.gate = gate or Gate(None, None)  # None: no keys, every caller anonymous
         self.texts = TokenTexts(frontend.tokenizer)
         self.created = int(time.time())
@@ -95,7 +108,9 @@ class OpenAIGateway:
         format = ChatFormat(
             self.model_name, self.texts, logprobs=body.logprobs, include_usage=body.include_usage
         )
-        return await self._generation(routed, format, body, caller, ttft_slo_ms)
+        return await self._generation(
+            routed, format, caller, ttft_slo_ms, body.stream, body.include_usage
+        )
 
     async def completions(
         self, body: CompletionRequest, caller: Caller, ttft_slo_ms: int = 0
@@ -106,12 +121,70 @@ class OpenAIGateway:
         format = CompletionFormat(
             self.model_name, self.texts, logprobs=with_logprobs, include_usage=body.include_usage
         )
-        return await self._generation(routed, format, body, caller, ttft_slo_ms)
+        return await self._generation(
+            routed, format, caller, ttft_slo_ms, body.stream, body.include_usage
+        )
 
-    async def _generation(self, routed, format, body, caller: Caller, ttft_slo_ms: int) -> Response:
+    async def responses(
+        self, body: ResponsesRequest, caller: Caller, ttft_slo_ms: int = 0
+    ) -> Response:
+        """A Responses request as a chat (`conversation`), after the conversation it
+        continues; stored at its end unless `store: false`."""
+        self.check_model(body.model)
+        conversation.check_supported(body)
+        if body.stores and self.response_store is None:
+            raise OpenAIError(
+                BAD_REQUEST, "this router keeps no responses: send store: false", "store"
+            )
+        inputs = conversation.input_messages(body.input)
+        history = []
+        if body.previous_response_id is not None:
+            previous = await self.stored(body.previous_response_id, caller, "previous_response_id")
+            history = previous.conversation
+        turn = Turn(history, inputs, body.instructions)
+        routed = await asyncio.to_thread(
+            conversation.router_requests, body, turn, self.chat_template, self.frontend.limits
+        )
+        format = ResponsesFormat(self.model_name, body, stream=body.stream)
+        keep = functools.partial(self._keep, turn, caller) if body.stores else None
+        return await self._generation(routed, format, caller, ttft_slo_ms, body.stream, keep=keep)
+
+    async def stored(
+        self, response_id: str, caller: Caller, param: str = "response_id"
+    ) -> StoredResponse:
+        """The caller's stored response `response_id`; a 404 naming `param` if there is none
+        (another key's is none)."""
+        found = None
+        if self.response_store is not None:
+            found = await self.response_store.get(caller.scoped_id(response_id))
+        if found is None:
+            raise OpenAIError(NOT_FOUND, f"no response with id `{response_id}`", param)
+        return found
+
+    async def forget(self, response_id: str, caller: Caller) -> None:
+        """Delete the caller's stored response; a 404 if there is none."""
+        if self.response_store is None or not await self.response_store.delete(
+            caller.scoped_id(response_id)
+        ):
+            raise OpenAIError(NOT_FOUND, f"no response with id `{response_id}`", "response_id")
+
+    async def _keep(self, turn: Turn, caller: Caller, response: dict) -> None:
+        stored = StoredResponse(response, turn.continued(output_text(response)))
+        await self.response_store.put(caller.scoped_id(response["id"]), stored)
+
+    async def _generation(
+        self,
+        routed: convert.RouterRequests,
+        format,
+        caller: Caller,
+        ttft_slo_ms: int,
+        stream: bool,
+        include_usage: bool = False,
+        keep=None,
+    ) -> Response:
         for request in routed.requests:  # the client's TTFT target, from its header
             request.ttft_slo_ms = ttft_slo_ms
-        generation = Generation(routed, format, body.stream, body.include_usage)
+        generation = Generation(routed, format, stream, include_usage, keep)
         slot = await self.gate.admit(caller)  # after the checks: a bad request costs nothing
         return GenerationResponse(self.frontend, generation, caller, slot)
 
@@ -159,6 +232,8 @@ def create_app(gateway: OpenAIGateway) -> FastAPI:
     ) -> Response:
         return await gateway.completions(body, caller, ttft_slo_ms)
 
+    _add_responses_routes(app, gateway)
+
     @app.get("/v1/models", dependencies=keyed)
     async def models() -> dict:
         return {"object": "list", "data": [gateway.model_card()]}
@@ -186,6 +261,25 @@ def create_app(gateway: OpenAIGateway) -> FastAPI:
 
     _add_error_handlers(app)
     return app
+
+
+def _add_responses_routes(app: FastAPI, gateway: OpenAIGateway) -> None:
+    """The Responses API: create, and a stored response's GET and DELETE."""
+
+    @app.post("/v1/responses")
+    async def create_response(
+        body: ResponsesRequest, caller: Authenticated, ttft_slo_ms: TtftSlo
+    ) -> Response:
+        return await gateway.responses(body, caller, ttft_slo_ms)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, caller: Authenticated) -> dict:
+        return (await gateway.stored(response_id, caller)).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str, caller: Authenticated) -> dict:
+        await gateway.forget(response_id, caller)
+        return {"id": response_id, "object": "response", "deleted": True}
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from starlette.responses import Response
@@ -22,7 +23,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdserve.gateways.openai.convert import RouterRequests
 from pdserve.gateways.openai.errors import ErrorReply, reply_for
-from pdserve.gateways.openai.responses import SSE_DONE, ResponseFormat, sse_event
+from pdserve.gateways.openai.response_objects import ResponsesFormat
+from pdserve.gateways.openai.responses import ResponseFormat
 from pdserve.gateways.openai.streams import ChoiceStreams
 from pdserve.router.auth.caller import ANONYMOUS, Caller
 from pdserve.router.auth.limits import NO_SLOT, Slot
@@ -42,9 +44,12 @@ class Generation:
     """One OpenAI request, ready to run: its router requests and how to answer."""
 
     routed: RouterRequests
-    format: ResponseFormat
+    format: ResponseFormat | ResponsesFormat
     stream: bool
     include_usage: bool
+    # what to do with the whole answer before the client hears its end (the Responses
+    # API stores it); an error it raises is the client's instead
+    keep: Callable[[dict], Awaitable[None]] | None = None
 
 
 class GenerationResponse(Response):
@@ -91,12 +96,17 @@ class GenerationResponse(Response):
         finally:
             await streams.aclose()
         generation.format.named_after(finals[0].request_id)
-        body = json.dumps(generation.format.whole(finals, routed.n), ensure_ascii=False)
-        await _send_json(send, 200, body.encode())
+        whole = generation.format.whole(finals, routed.n)
+        try:
+            await self._keep(finals)
+        except Exception as exc:
+            await send_error(send, reply_for(exc, routed.names.of))
+            return
+        await _send_json(send, 200, json.dumps(whole, ensure_ascii=False).encode())
 
     async def _stream(self, send: Send, body_send: Send) -> None:
         """The events; `body_send` writes the body once `send` has started the response."""
-        generation, routed, chunks = self.generation, self.generation.routed, self.generation.format
+        routed, chunks = self.generation.routed, self.generation.format
         streams = ChoiceStreams(self.frontend, routed.requests, self.caller)
         try:
             try:
@@ -107,33 +117,44 @@ class GenerationResponse(Response):
             chunks.named_after(firsts[0].request_id)
             await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
             finals = await self._events(body_send, streams, firsts)
-            end = SSE_DONE
-            if finals is not None and generation.include_usage:
-                end = chunks.usage_chunk(finals, routed.n) + SSE_DONE
+            if finals is not None:
+                try:
+                    await self._keep(finals)
+                except Exception as exc:
+                    await _send_body(body_send, chunks.failure(reply_for(exc).body))
+                    finals = None
+            end = chunks.closing(finals, routed.n)
             await body_send({"type": "http.response.body", "body": end, "more_body": False})
         finally:
             await streams.aclose()
+
+    async def _keep(self, finals: list) -> None:
+        """The generation's `keep` of the whole answer, if it has one."""
+        generation = self.generation
+        if generation.keep is not None:
+            await generation.keep(generation.format.whole(finals, generation.routed.n))
 
     async def _events(self, send: Send, streams: ChoiceStreams, firsts: list) -> list | None:
         """Every message as an event; each choice's final message, or None when the
         stream broke off (an error event went out instead)."""
         chunks, routed = self.generation.format, self.generation.routed
         finals = list(firsts)
-        body = b"".join(chunks.chunk(index, message) for index, message in enumerate(firsts))
+        body = chunks.opening()
+        body += b"".join(chunks.chunk(index, message) for index, message in enumerate(firsts))
         await send({"type": "http.response.body", "body": body, "more_body": True})
         try:
             if (only := streams.only) is not None:
                 async for message in only:
                     finals[0] = message
-                    body = chunks.chunk(0, message)
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    if body := chunks.chunk(0, message):  # b"": a message with nothing to say
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
             else:
                 async for index, message in streams.rest():
                     finals[index] = message
-                    body = chunks.chunk(index, message)
-                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    if body := chunks.chunk(index, message):
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
         except Exception as exc:  # mid-stream: the status went out, an error event says it
-            await _send_body(send, sse_event(reply_for(exc, routed.names.of).body))
+            await _send_body(send, chunks.failure(reply_for(exc, routed.names.of).body))
             return None
         return finals
 

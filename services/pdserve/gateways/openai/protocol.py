@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 INT32_MAX = 2**31 - 1
 SEED_MAX = 2**63 - 1  # the engine's seeds are non-negative int64s
@@ -54,9 +54,12 @@ TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 TokenIds = list[TokenId]
 
 
-def unsupported_field(model: BaseModel) -> str | None:
-    """The first field of `model` that asks for something pdserve does not implement."""
-    for name, inert in UNSUPPORTED_FIELDS.items():
+def unsupported_field(
+    model: BaseModel, fields: dict[str, tuple[Any, ...]] = UNSUPPORTED_FIELDS
+) -> str | None:
+    """The first field of `model` that asks for something pdserve does not implement
+    (`fields`: the names and their inert values, UNSUPPORTED_FIELDS by default)."""
+    for name, inert in fields.items():
         if name in type(model).model_fields and getattr(model, name) not in inert:
             return name
     return None
@@ -156,3 +159,97 @@ class CompletionRequest(SamplingFields):
     echo: Any = None
     best_of: Any = None
     suffix: Any = None
+
+
+# -- the Responses API (`POST /v1/responses`) -------------------------------------------------
+
+# OpenAI's bounds on a response's metadata, which pdserve stores with the response.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+
+# Fields of the Responses API that pdserve does not implement, as UNSUPPORTED_FIELDS is for
+# chat: the values that ask for nothing beyond what pdserve does are accepted.
+RESPONSES_UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),  # no tool calls yet
+    "tool_choice": (None, "none", "auto"),  # with no tools, `auto` asks for nothing
+    "include": (None, []),
+    "reasoning": (None,),
+    "truncation": (None, "disabled"),
+    "background": (None, False),
+    "conversation": (None,),
+    "prompt": (None,),
+    "prompt_cache_key": (None,),
+    "service_tier": (None, "auto", "default"),
+    "max_tool_calls": (None,),
+    "top_logprobs": (None, 0),
+    "stream_options": (None, {}),
+}
+
+
+class InputItem(BaseModel):
+    """One item of a Responses `input` list. Only messages are supported (`type` absent or
+    "message"); the conversion checks the rest, naming the item, so a tool call's output
+    is refused as such rather than as a message missing its role."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str = "message"
+    role: str | None = None
+    content: str | list[ContentPart] | None = None
+
+
+class TextConfig(_Strict):
+    """`text`: the output's format (`{"type": "text"}`, `json_object`, `json_schema`)."""
+
+    format: dict[str, Any] | None = None
+    verbosity: Any = None  # not implemented: only None
+
+
+class ResponsesRequest(_Strict):
+    model: str | None = None  # None: the one model this router serves
+    input: str | list[InputItem]
+    instructions: str | None = None  # a system message, not carried to follow-ups
+    max_output_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool | None = None  # None: true, as OpenAI's default
+    previous_response_id: str | None = Field(None, min_length=1, max_length=256)
+    metadata: dict[str, str] | None = None
+    user: str | None = None  # the end user's id, for the caller's records: no effect
+    safety_identifier: str | None = None
+    text: TextConfig | None = None
+    parallel_tool_calls: bool | None = None  # no effect without tools
+    # not implemented: see RESPONSES_UNSUPPORTED_FIELDS
+    tools: Any = None
+    tool_choice: Any = None
+    include: Any = None
+    reasoning: Any = None
+    truncation: Any = None
+    background: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    prompt_cache_key: Any = None
+    service_tier: Any = None
+    max_tool_calls: Any = None
+    top_logprobs: Any = None
+    stream_options: Any = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded_metadata(cls, metadata: dict[str, str] | None) -> dict[str, str] | None:
+        if metadata is None:
+            return None
+        if len(metadata) > MAX_METADATA_PAIRS:
+            raise ValueError(f"at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}")
+        for key, value in metadata.items():
+            if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(
+                    f"keys are at most {MAX_METADATA_KEY_CHARS} characters and values at "
+                    f"most {MAX_METADATA_VALUE_CHARS}"
+                )
+        return metadata
+
+    @property
+    def stores(self) -> bool:
+        return self.store is not False

@@ -109,6 +109,21 @@ class ResponseFormat:
         same for the choice's later chunks)."""
         raise NotImplementedError
 
+    def opening(self) -> bytes:
+        """What a stream sends before its first chunk: nothing, for chat and completions."""
+        return b""
+
+    def closing(self, finals: Sequence[router_pb2.GenerateResponse] | None, n: int) -> bytes:
+        """What ends a stream: the usage chunk (with include_usage), then [DONE]; `finals`
+        is None when the stream broke off (an error event went out)."""
+        if finals is not None and self.include_usage:
+            return self.usage_chunk(finals, n) + SSE_DONE
+        return SSE_DONE
+
+    def failure(self, error_body: dict) -> bytes:
+        """The event that says a stream failed once its status went out."""
+        return sse_event(error_body)
+
     def usage_chunk(self, finals: Sequence[router_pb2.GenerateResponse], n: int) -> bytes:
         payload = self._envelope(self.chunk_object_name, [])
         payload["usage"] = usage(finals, n)

@@ -26,6 +26,7 @@ from pdserve.gateways.openai.asgi import ServerSend
 from pdserve.gateways.openai.body_limit import BodyLimit
 from pdserve.router.auth.gate import Gate
 from pdserve.router.frontend import Frontend
+from pdserve.state.conversations import ResponseStore
 
 log = logging.getLogger(__name__)
 API_PATH = "/v1"
@@ -64,11 +65,13 @@ class HttpServer:
         metrics: CollectorRegistry | None = None,
         grace_s: float = 30.0,
         gate: Gate | None = None,
+        response_store: ResponseStore | None = None,
     ) -> HttpServer:
         """Serve on `host:port` from now on; OSError if the port is taken. `gate` checks
-        the API keys (None: no keys, as the router's gRPC port without a key file)."""
+        the API keys (None: no keys, as the router's gRPC port without a key file);
+        `response_store` keeps the Responses API's stored responses (None: none are)."""
         template = ChatTemplate.load(model_dir, frontend.tokenizer)
-        app = create_app(OpenAIGateway(frontend, template, metrics, gate))
+        app = create_app(OpenAIGateway(frontend, template, metrics, gate, response_store))
         config = uvicorn.Config(
             ServerSend(BodyLimit(app, frontend.limits.max_json_body_bytes())),
             http="httptools",
