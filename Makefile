@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help setup prometheus test soak run lint format protos clean docker chart-golden chart-readme
+.PHONY: help setup prometheus test test-fast soak run lint format protos clean docker chart-golden chart-readme
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -31,6 +31,9 @@ prometheus:  ## install Debian's prometheus package (promtool too) if missing an
 TEST_WORKERS ?= 2
 test:  ## run the test suite (real Redis, real gRPC, real torch)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+test-fast:  ## the modules that start no process and are not marked slow (engine, kernels, state, wire)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) -m "not cluster and not slow" $(PYTEST_ARGS)
 
 SOAK_MINUTES ?= 30
 soak:  ## the soak run (not in CI): a supervised cluster, mixed load, random faults, SOAK_MINUTES long

@@ -29,6 +29,8 @@ from pdserve.router.admission import (
 )
 from pdserve.rpc.wire import sampling_params_to_proto
 
+pytestmark = pytest.mark.cluster
+
 LONG_TIMEOUT_S = 30.0  # the unit tests' queue timeout: never reached unless a test says so
 
 

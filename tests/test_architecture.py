@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.cluster
+
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ROOT / "services"
 PACKAGE = SERVICES / "pdserve"
@@ -273,3 +275,42 @@ def test_no_formatter_suppression_comments(folder):
             if token.type == tokenize.COMMENT and _suppresses_formatting(token.string):
                 found.append(f"{_where(path, token.start[0])} {token.string.strip()}")
     assert not found, "let ruff format these lines:\n" + "\n".join(found)
+
+
+# What starts processes: `make test-fast` (-m "not cluster") must not meet one unmarked.
+PROCESS_STARTERS = frozenset(
+    {
+        "subprocess",
+        "procs",
+        "router_failover",
+        "pdserve.cluster.local",
+        "pdserve.cluster.processes",
+        "pdserve.cluster.supervisor",
+    }
+)
+
+
+def _starts_processes(tree: ast.Module) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import) and any(a.name in PROCESS_STARTERS for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module in PROCESS_STARTERS:
+            return True
+    return False
+
+
+def _marked_cluster(tree: ast.Module) -> bool:
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if any(getattr(target, "id", "") == "pytestmark" for target in targets):
+            return "pytest.mark.cluster" in ast.unparse(node.value)
+    return False
+
+
+def test_every_test_module_that_starts_processes_is_marked_cluster():
+    unmarked = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        if _starts_processes(tree) and not _marked_cluster(tree):
+            unmarked.append(path.name)
+    assert not unmarked, f"add `pytestmark = pytest.mark.cluster` to {unmarked}"

@@ -44,6 +44,8 @@ from pdserve.bench.workload import (
 from pdserve.cluster.local import ClusterShape
 from pdserve.commands.bench import add_parser, log_dir_name, target_names
 
+pytestmark = pytest.mark.cluster
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parents[1]
 BENCH_SCRIPTS = sorted(p.name for p in (REPO / "bench").glob("*.py"))

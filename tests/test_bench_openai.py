@@ -29,6 +29,8 @@ from pdserve.bench.workload import Concurrency, closed_plan, custom_workload, pl
 from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.commands.bench import add_parser
 
+pytestmark = pytest.mark.cluster
+
 MODEL = "demo-openai"
 MAX_TOKENS = 8
 WORKLOAD = ("--prompt-len", "uniform:4:24", "--output-len", f"fixed:{MAX_TOKENS}")

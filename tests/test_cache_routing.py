@@ -20,6 +20,8 @@ from pdserve.client import Client, SamplingParams
 from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.router.dispatches import DEFAULT_HORIZON_S
 
+pytestmark = pytest.mark.cluster
+
 NUM_PROMPT_TOKENS = 200
 NUM_REPEATS = 4
 PARAMS = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)

@@ -33,6 +33,8 @@ from pdserve.cluster.processes import ChildProcess
 from pdserve.cluster.supervisor import Backoff
 from pdserve.core.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.cluster
+
 NUM_REQUESTS = 100
 MAX_TOKENS = 48
 FAULT_AFTER_S = 1.0  # into the wave: every request admitted, most decoding

@@ -41,6 +41,8 @@ from chart_settings import args_problems, env_problems
 from test_prometheus import ALERTS, DASHBOARD
 from test_prometheus import _binary as prometheus_tool
 
+pytestmark = pytest.mark.cluster
+
 KUBE_VERSION = kubernetes_validate.latest_version()  # the newest Kubernetes it knows
 SCENARIOS = [s.name for s in chart_render.scenarios()]
 # the scenarios the issue asks for: ci file name -> what its values must turn on

@@ -18,6 +18,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.router.config import DiscoveryKind, RouterConfig
 from pdserve.worker.config import WorkerConfig
 
+pytestmark = pytest.mark.cluster
+
 MODEL = "/models/tiny"  # never read: building a config does not open the model
 REDIS = "redis://127.0.0.1:1"
 ROUTER = ["router", "--model", MODEL, "--redis-url", REDIS]

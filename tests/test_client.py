@@ -21,6 +21,8 @@ from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.rpc.wire.client import request_info_from_proto
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 GREEDY_FLAGS = ("--temperature", "0", "--max-tokens", str(GREEDY.max_tokens), "--ignore-eos")
 PROMPT = "The client streams what the router sends"

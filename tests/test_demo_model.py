@@ -16,6 +16,8 @@ from pdserve.engine.demo_model import (
 )
 from pdserve.engine.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.cluster
+
 FILES = [
     "config.json",
     "generation_config.json",

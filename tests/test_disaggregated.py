@@ -23,6 +23,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.router.handoff import Attempt, ChannelPool, HandOff
 from pdserve.rpc.wire import sampling_params_to_proto
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.9, seed=42, max_tokens=12, ignore_eos=True)
 

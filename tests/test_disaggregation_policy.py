@@ -47,6 +47,8 @@ from pdserve.rpc.wire import sampling_params_to_proto
 from pdserve.telemetry.metrics import metrics_url
 from pdserve.worker.engine_loop import StepStats
 
+pytestmark = pytest.mark.cluster
+
 RATE = 2000.0  # prefill tokens per second: 2 tokens per ms
 TARGETS = Targets(ttft_s=0.2, tpot_s=0.05)
 

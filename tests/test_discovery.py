@@ -31,6 +31,8 @@ from pdserve.router.discovery import (
 from pdserve.state.redis_server import PrivateRedis
 from pdserve.state.registry import WorkerRegistry
 
+pytestmark = pytest.mark.cluster
+
 WAIT_S = 3.0
 
 

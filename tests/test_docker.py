@@ -33,6 +33,8 @@ from pdserve.core.flags import config_from_args, settings
 from pdserve.router.config import RouterConfig
 from pdserve.worker.config import WorkerConfig
 
+pytestmark = pytest.mark.cluster
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 DOCKERFILES = sorted(DOCKER.glob("Dockerfile*"))

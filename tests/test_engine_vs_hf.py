@@ -15,6 +15,9 @@ from pdserve.engine.attention import AttentionMetadata, PrefillSpan
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.loader import load_model
 
+# transformers as the oracle: minutes of CPU (`make test-fast` skips it)
+pytestmark = pytest.mark.slow
+
 GREEDY_32 = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 GREEDY_8 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

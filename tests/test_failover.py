@@ -24,6 +24,8 @@ from pdserve.cluster.supervisor import Backoff
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.state.redis_server import free_port
 
+pytestmark = pytest.mark.cluster
+
 PROMPT = "The router that streams this dies halfway"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=800, ignore_eos=True)

@@ -38,6 +38,9 @@ from hypothesis import strategies as st
 from pdserve.api.inference import grpc_service_pb2 as kserve_pb2
 from pdserve.api.v1 import router_pb2, router_pb2_grpc
 
+# fuzzing: minutes of CPU (`make test-fast` skips it)
+pytestmark = pytest.mark.slow
+
 VOCAB = 1024  # the demo model's
 CALL_TIMEOUT_S = 3.0
 FINDINGS = Findings()

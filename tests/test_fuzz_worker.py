@@ -43,6 +43,9 @@ from pdserve.core.kv_chunk import crc32
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.rpc.wire import sampling_params_to_proto
 
+# fuzzing: minutes of CPU (`make test-fast` skips it)
+pytestmark = pytest.mark.slow
+
 VOCAB = 1024  # the demo model's
 MAX_MODEL_LEN = 64  # bounds what an accepted hostile max_tokens costs
 CALL_TIMEOUT_S = 3.0

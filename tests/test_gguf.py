@@ -23,6 +23,8 @@ from pdserve.engine import LLMEngine, SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateways.chat_template import ChatTemplate
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 5, 9, 300, 42, 7], list(range(3, 40)), [1, 17]]
 TEXTS = [

@@ -42,6 +42,8 @@ from pdserve.rpc.wire import sampling_params_to_proto
 from pdserve.worker.config import WorkerConfig
 from pdserve.worker.server import WorkerApp, server_options
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 NUM_KV_BLOCKS = 300
 LONG_PROMPT = [7 + i % 900 for i in range(4090)]  # with GREEDY's 6 tokens: the whole context

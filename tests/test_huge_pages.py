@@ -14,6 +14,8 @@ from procs import worker_process
 from pdserve.engine import huge_pages
 from pdserve.engine.huge_pages import THP_ENV, KernelThpMode, kernel_thp_mode
 
+pytestmark = pytest.mark.cluster
+
 KV_CACHE_BYTES = 64 << 20
 MODE = kernel_thp_mode()
 

@@ -19,6 +19,8 @@ from pdserve.api.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdserve.core.phase import RequestPhase
 from pdserve.state.record import RequestRecord
 
+pytestmark = pytest.mark.cluster
+
 MODEL = "tiny-llama"
 PROMPT = "The decode worker streams every token"
 GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}

@@ -26,6 +26,8 @@ from pdserve.router.config import RouterConfig
 from pdserve.rpc.wire import sampling_params_to_proto
 from pdserve.state.record import MAX_ERROR_CHARS, MAX_RECORD_BYTES, RequestRecord
 
+pytestmark = pytest.mark.cluster
+
 MAX_MODEL_LEN = 4096  # the tiny demo model's
 MAX_PROMPT_BYTES = PROMPT_BYTES_PER_TOKEN * MAX_MODEL_LEN
 SHORT = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)

@@ -27,6 +27,8 @@ from pdserve.telemetry.logs import LogConfig, LogFormat, LogLevel
 from pdserve.telemetry.summary import RequestSummary
 from pdserve.worker.config import WorkerConfig
 
+pytestmark = pytest.mark.cluster
+
 ROUTER = ["router", "--model", "/models/tiny", "--redis-url", "redis://127.0.0.1:1"]
 SERVE = ["serve", "decode", "--model", "/models/tiny"]
 JSON = LogConfig(log_format=LogFormat.JSON)

@@ -45,6 +45,8 @@ from pdserve.telemetry.metrics import TTFT_BUCKETS, ProcessLabels, metrics_url
 from pdserve.telemetry.summary import RequestSummary
 from pdserve.worker.config import WorkerConfig
 
+pytestmark = pytest.mark.cluster
+
 BLOCK_SIZE = 16
 DTYPE, DTYPE_BYTES = "float32", 4
 PROMPT_LENGTHS = (40, 57, 16, 100)  # 3, 4, 1 and 7 blocks

@@ -16,6 +16,8 @@ from pdserve.cluster.load import wait_idle
 from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.commands.up import api_lines
 
+pytestmark = pytest.mark.cluster
+
 MODEL = "demo-chat"
 PROMPT = "The decode worker reads every weight"
 MESSAGES = [

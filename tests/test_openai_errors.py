@@ -12,6 +12,8 @@ from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.cluster.processes import router_args
 from pdserve.router.config import DiscoveryKind
 
+pytestmark = pytest.mark.cluster
+
 MODEL = "demo-errors"
 MESSAGES = [{"role": "user", "content": "Hello"}]
 MAX_INFLIGHT = 2

@@ -34,6 +34,8 @@ from pdserve.state.requests import RequestStore
 from pdserve.worker.orphans import ReattachRangeError, kept_from
 from pdserve.worker.outbox import PendingDeltas
 
+pytestmark = pytest.mark.cluster
+
 ORPHAN_TIMEOUT_S = 8.0  # above a takeover's (3 s of silence, then the re-attach)
 PROMPT = "The router that streams this dies, and its request lives on"
 # still running when the router taking it over re-attaches: it gets what was kept, then

@@ -31,6 +31,8 @@ from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.rpc.wire import sampling_params_to_proto
 
+pytestmark = pytest.mark.cluster
+
 MAX_INFLIGHT = 8  # the cluster's capacity, as the router admits it
 MAX_QUEUED = 16
 QUEUE_TIMEOUT_S = 5.0

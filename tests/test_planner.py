@@ -36,6 +36,8 @@ from pdserve.planner.plan import Load, make_plan, plan_json, workers_needed
 from pdserve.planner.record import RecordedRun, RecordError, parse_record
 from pdserve.planner.scaling import Bounds, ScalingPolicy, decide
 
+pytestmark = pytest.mark.cluster
+
 SLO_300_20 = SLO(ttft_ms=300, tpot_ms=20)
 
 

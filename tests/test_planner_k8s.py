@@ -25,6 +25,8 @@ from pdserve.planner.loop import Planner
 from pdserve.planner.plan import Load
 from pdserve.planner.scaling import Bounds, ScalingPolicy
 
+pytestmark = pytest.mark.cluster
+
 NAMESPACE = "pdserve"
 DEPLOYMENTS = {Pool.PREFILL: "pdserve-prefill", Pool.DECODE: "pdserve-decode"}
 SCALE_PATH = re.compile(r"^/apis/apps/v1/namespaces/([^/]+)/deployments/([^/]+)/scale$")

@@ -28,6 +28,8 @@ from pdserve.gateways.openai.protocol import CompletionRequest
 from pdserve.gateways.ttft_target import ttft_slo_ms_from_header
 from pdserve.rpc.wire import sampling_params_to_proto
 
+pytestmark = pytest.mark.cluster
+
 PROMPT_TOKENS = 600  # 150 steps of 4 tokens on the prefill worker
 STEP_TOKENS = 4
 TARGET_PROMPT_TOKENS = 2_000  # the TTFT target's test

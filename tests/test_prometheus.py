@@ -34,6 +34,8 @@ import yaml
 from pdserve.client import Client, SamplingParams
 from pdserve.cluster.local import ClusterShape, LocalCluster
 
+pytestmark = pytest.mark.cluster
+
 FILES = Path(__file__).resolve().parents[1] / "charts" / "pdserve" / "files"
 DASHBOARD = FILES / "grafana" / "pdserve.json"
 ALERTS = FILES / "prometheus" / "alerts.yaml"

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.cluster
+
 ROOT = Path(__file__).resolve().parent.parent
 API = ROOT / "services" / "pdserve" / "api"
 STUB_PACKAGES = ("v1", "inference")

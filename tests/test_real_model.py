@@ -24,7 +24,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateways.chat_template import ChatTemplate
 
 # transformers' 20 x 64 greedy tokens alone take about a minute of one core
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
 
 NUM_PROMPTS, NEW_TOKENS, MAX_PROMPT_TOKENS = 20, 64, 384
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)

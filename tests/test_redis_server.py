@@ -6,6 +6,8 @@ import redis
 
 from pdserve.state.redis_server import PrivateRedis, find_redis_server, redis_url
 
+pytestmark = pytest.mark.cluster
+
 
 def test_round_trip_through_the_shared_fixture(redis_client):
     redis_client.set("pdserve:test:key", b"value", ex=30)

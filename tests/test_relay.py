@@ -22,6 +22,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.router.relay import DecodeRelays
 from pdserve.rpc.wire import sampling_params_to_proto
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)
 UNFINISHED = common_pb2.FINISH_REASON_UNSPECIFIED

@@ -32,6 +32,8 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.router.relay import DEFAULT_STREAM_PROGRESS_TIMEOUT_S, DecodeRelays
 from pdserve.rpc.wire import sampling_params_to_proto
 
+pytestmark = pytest.mark.cluster
+
 LONG = SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 PROMPT = [(7 * j) % 990 + 3 for j in range(40)]

@@ -25,6 +25,8 @@ from pdserve.cluster.local import ClusterShape, LocalCluster
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.rpc.wire import sampling_params_to_proto
 
+pytestmark = pytest.mark.cluster
+
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 COOLDOWN_S = 2.0
 ROUTER_ARGS = [

@@ -38,6 +38,8 @@ from pdserve.state.record import RequestRecord, request_digest
 from pdserve.state.redis_server import free_port
 from pdserve.state.requests import RequestStore
 
+pytestmark = pytest.mark.cluster
+
 NUM_RUNNING = 6
 MAX_TOKENS = 800  # about 8 s on two loaded cores: they outlive the outage by far
 OUTAGE_S = 1.0

@@ -21,6 +21,8 @@ from pdserve.router.discovery import RedisDiscovery
 from pdserve.state.redis_server import PrivateRedis
 from pdserve.state.registry import WorkerRegistry, heartbeat
 
+pytestmark = pytest.mark.cluster
+
 TTL_S = 0.5
 HEARTBEAT_S = 0.1
 ROUTER_TTL_S = 3.0  # the registry's default, which the router process uses

@@ -29,6 +29,8 @@ from pdserve.router.auth.keys import new_key, write_key_file
 from pdserve.router.config import DEFAULT_RESPONSE_TTL_S, RouterConfig
 from pdserve.state.conversations import ResponseStore, StoredResponse
 
+pytestmark = pytest.mark.cluster
+
 MODEL = "demo-responses"
 # the demo model's greedy answer to this ends (its end of turn) after a few tokens; to
 # most other inputs it runs on to its token limit

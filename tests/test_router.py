@@ -13,6 +13,8 @@ from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.rpc.wire import sampling_params_to_proto
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 

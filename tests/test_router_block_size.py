@@ -19,6 +19,8 @@ from pdserve.router.handoff import Attempt
 from pdserve.router.runner import Pool
 from pdserve.rpc.wire import sampling_params_to_proto
 
+pytestmark = pytest.mark.cluster
+
 BLOCK_SIZE = 32
 PROMPT = [(17 * i) % 900 + 5 for i in range(100)]  # 3 full blocks of 32, and a partial one
 LONG = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)

@@ -14,6 +14,8 @@ from pdserve.core.sampling_params import SamplingParams
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.rpc.wire import sampling_params_to_proto
 
+pytestmark = pytest.mark.cluster
+
 PARAMS = SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, seed=5, max_tokens=800, ignore_eos=True)
 

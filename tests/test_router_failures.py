@@ -26,6 +26,8 @@ from pdserve.engine.outputs import RequestOutput
 from pdserve.rpc.wire import sampling_params_to_proto
 from pdserve.state.redis_server import PrivateRedis
 
+pytestmark = pytest.mark.cluster
+
 # The demo model's vocabulary and context window; `cluster` checks them against ModelInfo.
 VOCAB_SIZE = 1024
 CONTEXT = 4096

@@ -32,6 +32,8 @@ from pdserve.router.auth.gate import INVALID_KEY_MESSAGE
 from pdserve.router.auth.keys import new_key, revoked, write_key_file
 from pdserve.rpc.wire import sampling_params_to_proto
 
+pytestmark = pytest.mark.cluster
+
 MODEL = "keyed"
 UNKNOWN_KEY, _ = new_key("nobody", KeyLimits())  # a key in pdserve's form, of no file
 SECRET_PROMPT = "Quartz zebras lantern the marmalade harbour"  # must never be logged

@@ -36,6 +36,8 @@ from pdserve.core.workers import WorkerInfo
 from pdserve.rpc.wire import sampling_params_to_proto
 from pdserve.state.registry import WorkerRegistry
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 CALL_TIMEOUT_S = 10.0
 REGISTERED_WAIT_S = 30.0

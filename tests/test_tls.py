@@ -27,6 +27,8 @@ from pdserve.rpc import roles, tls
 from pdserve.rpc.roles import RoleCheck, allowed_roles
 from pdserve.worker.config import WorkerConfig
 
+pytestmark = pytest.mark.cluster
+
 
 @pytest.fixture(scope="module")
 def ca(tmp_path_factory):

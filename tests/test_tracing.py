@@ -56,6 +56,8 @@ from pdserve.telemetry.request import RequestTelemetry
 from pdserve.worker import server as worker_server
 from pdserve.worker.config import WorkerConfig
 
+pytestmark = pytest.mark.cluster
+
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{CLIENT_SPAN_ID}-01"

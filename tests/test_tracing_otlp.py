@@ -24,6 +24,8 @@ from pdserve.core.model_config import ModelConfig
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.rpc.wire import sampling_params_to_proto
 
+pytestmark = pytest.mark.cluster
+
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN_ID = "b7ad6b7169203331"
 BLOCK_SIZE = 16  # the engine's default

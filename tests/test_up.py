@@ -11,10 +11,13 @@ import time
 import urllib.request
 
 import grpc
+import pytest
 from procs import descendants_of
 
 from pdserve.api.v1 import router_pb2, router_pb2_grpc
 from pdserve.state.redis_server import free_port
+
+pytestmark = pytest.mark.cluster
 
 
 def port_is_free(port: int) -> bool:

@@ -34,6 +34,8 @@ from pdserve.router.auth.keys import new_key, write_key_file
 from pdserve.rpc.tls import role_of_certificate
 from pdserve.state.redis_server import free_port
 
+pytestmark = pytest.mark.cluster
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 START_TIMEOUT_S = 120.0
 CALL_TIMEOUT_S = 30.0
