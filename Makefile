@@ -42,10 +42,11 @@ soak:  ## the soak run (not in CI): a supervised cluster, mixed load, random fau
 run:  ## pdserve up: Redis, 1 prefill + 1 decode worker, a router (gRPC :50051, OpenAI HTTP :8000; Ctrl-C stops)
 	$(BIN)/pdserve up --http-port 8000 $(UP_ARGS)
 
-lint:  ## ruff check and format check, pylint's duplicate-code check (config in pyproject.toml)
+lint:  ## ruff check and format check, pylint's duplicate-code check, mypy (config in pyproject.toml)
 	$(BIN)/ruff check services tests scripts bench
 	$(BIN)/ruff format --check services tests scripts bench
 	$(BIN)/pylint --disable=all --enable=duplicate-code --score=n services
+	$(BIN)/mypy
 
 format:  ## apply ruff fixes and formatting
 	$(BIN)/ruff check --fix services tests scripts bench

@@ -26,9 +26,10 @@ import enum
 import os
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
+from typing import Any, cast
 
 ENV_PREFIX = "PDSERVE_"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -43,13 +44,13 @@ class Setting:
     """One field of a config as the command line and the environment know it."""
 
     path: tuple[str, ...]  # attribute names from the top config down: ("engine", "block_size")
-    field: dataclasses.Field
+    field: dataclasses.Field[Any]
     kind: type  # the value's type with `| None` and `list[...]` taken off
     is_list: bool  # a comma-separated list of `kind`
 
     @property
     def name(self) -> str:
-        return self.field.metadata.get("flag", self.field.name.replace("_", "-"))
+        return str(self.field.metadata.get("flag", self.field.name.replace("_", "-")))
 
     @property
     def flag(self) -> str:
@@ -66,7 +67,7 @@ class Setting:
 
     @property
     def positional(self) -> bool:
-        return self.field.metadata.get("positional", False)
+        return bool(self.field.metadata.get("positional", False))
 
     @property
     def is_flag_switch(self) -> bool:
@@ -105,13 +106,13 @@ class Setting:
 
     def to_text(self, value: object) -> str:
         """`value` as this setting's flag takes it (the inverse of `parse`)."""
-        items = value if self.is_list else [value]
+        items = cast("Iterable[object]", value) if self.is_list else [value]
         return ",".join(str(v.value if isinstance(v, enum.Enum) else v) for v in items)
 
     @property
     def metavar(self) -> str:
         if "metavar" in self.field.metadata:
-            return self.field.metadata["metavar"]
+            return str(self.field.metadata["metavar"])
         if self.choices is not None:
             return "{" + ",".join(self.choices) + "}"
         return self.name.upper().replace("-", "_")
@@ -130,7 +131,7 @@ class Setting:
 
     def _default_help(self) -> str | None:
         if "default_help" in self.field.metadata:
-            return self.field.metadata["default_help"]
+            return str(self.field.metadata["default_help"])
         default = self.field.default
         if default is dataclasses.MISSING or default is None or default == []:
             return None
@@ -150,7 +151,7 @@ def settings(config_cls: type) -> tuple[Setting, ...]:
     return found
 
 
-def _settings(config_cls: type, prefix: tuple[str, ...]):
+def _settings(config_cls: type, prefix: tuple[str, ...]) -> Iterator[Setting]:
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
         if not f.init:
@@ -164,7 +165,7 @@ def _settings(config_cls: type, prefix: tuple[str, ...]):
         yield Setting((*prefix, f.name), f, kind, is_list)
 
 
-def _value_type(hint) -> tuple[type, bool]:
+def _value_type(hint: Any) -> tuple[type, bool]:
     """(the type of one value, whether a list): `int | None` -> (int, False)."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         [hint] = [arg for arg in typing.get_args(hint) if arg is not type(None)]
@@ -201,7 +202,7 @@ def add_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
             )
 
 
-def _argparse_type(s: Setting):
+def _argparse_type(s: Setting) -> Callable[[str], object]:
     def parse(text: str) -> object:
         try:
             return s.parse(text)
@@ -213,7 +214,7 @@ def _argparse_type(s: Setting):
 
 def config_from_args(
     config_cls: type, args: argparse.Namespace, environ: Mapping[str, str] | None = None
-):
+) -> Any:
     """The `config_cls` that the flags in `args`, then the environment, then the defaults give.
 
     Raises ConfigError naming the variable of a value that does not parse, the flag of a
@@ -243,7 +244,9 @@ def config_from_args(
         raise ConfigError(f"{exc}{read}") from exc
 
 
-def _build(config_cls: type, prefix: tuple[str, ...], values: Mapping[tuple[str, ...], object]):
+def _build(
+    config_cls: type, prefix: tuple[str, ...], values: Mapping[tuple[str, ...], object]
+) -> Any:
     hints = typing.get_type_hints(config_cls)
     kwargs = {}
     for f in dataclasses.fields(config_cls):

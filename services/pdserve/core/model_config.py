@@ -75,7 +75,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
         architectures = raw.get("architectures") or []
-        arch = architectures[0] if architectures else _MODEL_TYPES.get(raw.get("model_type"))
+        arch = architectures[0] if architectures else _MODEL_TYPES.get(raw.get("model_type", ""))
         if arch not in SUPPORTED_ARCHITECTURES:
             named = (
                 f"is {architectures!r}"
@@ -140,7 +140,7 @@ class _Getter:
         return value
 
 
-def _as_tuple(value) -> tuple[int, ...]:
+def _as_tuple(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(value) if isinstance(value, list) else (value,)

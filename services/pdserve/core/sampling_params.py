@@ -86,7 +86,13 @@ def _invalid(name: str, message: str) -> InvalidRequestError:
     return InvalidRequestError(f"sampling_params.{name}", message)
 
 
-def _finite(name, value, low=None, high=None, low_open=False) -> None:
+def _finite(
+    name: str,
+    value: object,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise _invalid(name, f"must be a finite number, got {value!r}")
     if low is not None and (value <= low if low_open else value < low):
@@ -96,7 +102,7 @@ def _finite(name, value, low=None, high=None, low_open=False) -> None:
         raise _invalid(name, f"must be <= {high}, got {value}")
 
 
-def _integer(name, value, low=None, high=None) -> None:
+def _integer(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _invalid(name, f"must be an integer, got {value!r}")
     if low is not None and value < low:
