@@ -172,7 +172,7 @@ def test_a_grammar_in_gbnf_or_lark_constrains_alike(engine):
 
 def test_a_constraint_slower_to_compile_than_the_bound_is_refused(engine):
     compiler = GrammarCompiler(
-        engine.tokenizer.backend_json(),
+        engine.tokenizer,
         engine.model_config.vocab_size,
         engine.eos_token_ids,
         timeout_s=1e-6,
@@ -184,7 +184,7 @@ def test_a_constraint_slower_to_compile_than_the_bound_is_refused(engine):
 
 def test_each_constraint_compiles_once_and_the_cache_is_bounded(engine):
     compiler = GrammarCompiler(
-        engine.tokenizer.backend_json(),
+        engine.tokenizer,
         engine.model_config.vocab_size,
         engine.eos_token_ids,
         cache_size=2,

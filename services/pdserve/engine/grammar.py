@@ -24,6 +24,7 @@ from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from pdserve.core.errors import InvalidRequestError
 from pdserve.core.structured_output import Constraint, ConstraintKind, schema_object
+from pdserve.engine.tokenizer import Tokenizer
 
 COMPILE_TIMEOUT_S = 2.0  # a constraint that takes longer to compile is refused
 CACHE_SIZE = 256  # compiled constraints kept, least recently used out first
@@ -71,7 +72,7 @@ class GrammarCompiler:
 
     def __init__(
         self,
-        tokenizer_json: str,
+        tokenizer: Tokenizer,
         vocab_size: int,
         eos_token_ids: Iterable[int],
         *,
@@ -79,7 +80,7 @@ class GrammarCompiler:
         cache_size: int = CACHE_SIZE,
     ):
         # Building llguidance's tokenizer takes 0.4 s (SmolLM2's 49k tokens): on first use.
-        self._tokenizer_args = (tokenizer_json, vocab_size, sorted(eos_token_ids))
+        self._tokenizer_args = (tokenizer, vocab_size, sorted(eos_token_ids))
         self._tokenizer: llguidance.LLTokenizer | None = None
         self.vocab_size = vocab_size
         self.timeout_s, self.cache_size = timeout_s, cache_size
@@ -152,7 +153,8 @@ class GrammarCompiler:
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._tokenizer is None:
-                text, vocab_size, eos = self._tokenizer_args
+                ours, vocab_size, eos = self._tokenizer_args
+                text = ours.backend_json()
                 self._tokenizer = llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
             return self._tokenizer
 

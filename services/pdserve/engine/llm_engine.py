@@ -93,7 +93,7 @@ class LLMEngine:
         )
         # structured outputs: each constraint compiled once, a matcher per request
         self.grammars = GrammarCompiler(
-            self.tokenizer.backend_json(), self.model_config.vocab_size, self.eos_token_ids
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
         )
 
     @classmethod
