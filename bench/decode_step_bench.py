@@ -11,6 +11,13 @@ single timings would not.
     git worktree add /tmp/before HEAD
     .venv/bin/python bench/decode_step_bench.py --model $M \\
         --side before=/tmp/before --side after=. --batches 1,16 --dtype bfloat16
+
+The key `constraint=json` puts every request of its side under a JSON schema (structured
+outputs: an array of at least 50 objects, so no request completes it within the steps
+timed), against a side without it:
+
+    .venv/bin/python bench/decode_step_bench.py --model $M --dtype float32 --batches 16 \\
+        --side free=. --side constrained=.:constraint=json
 """
 
 from __future__ import annotations
@@ -28,6 +35,16 @@ from pathlib import Path
 
 KV_CACHE_BYTES = 512 << 20  # a batch of 16 at 256 tokens needs a third of it in float32
 WARMUP_STEPS = 4  # the prefill, then decode steps the timings leave out
+# `constraint=json`: JSON with keys, integers and strings, long enough to outlast the steps
+BENCH_SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}, "name": {"type": "string"}},
+        "required": ["id", "name"],
+    },
+    "minItems": 50,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +110,14 @@ def child_main(config_json: str) -> int:
     import torch
 
     from pdserve.bench.component import greedy, random_prompt
+    from pdserve.core.structured_output import Constraint, ConstraintKind
     from pdserve.engine.llm_engine import LLMEngine
 
     config = json.loads(config_json)
     torch.set_num_threads(config.pop("threads", 1))
+    constraint = None
+    if config.pop("constraint", None) == "json":
+        constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(BENCH_SCHEMA))
     engine = LLMEngine.from_pretrained(
         config.pop("model"), kv_cache_bytes=KV_CACHE_BYTES, max_num_batched_tokens=8192, **config
     )
@@ -109,7 +130,9 @@ def child_main(config_json: str) -> int:
             limit = engine.model_config.vocab_size
             for _ in range(message["batch"]):
                 prompt = random_prompt(message["context"], rng, limit)
-                engine.add_request(prompt, greedy(message["max_tokens"]))
+                params = greedy(message["max_tokens"])
+                params.constraint = constraint
+                engine.add_request(prompt, params)
             for _ in range(WARMUP_STEPS):
                 engine.step()
         elif "steps" in message:

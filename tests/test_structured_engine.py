@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from test_kv_export_import import prefill_and_export
 from pdserve.core.errors import InvalidRequestError
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.structured_output import MAX_CONSTRAINT_BYTES, Constraint, ConstraintKind
-from pdserve.engine.grammar import GrammarCompiler
+from pdserve.engine.grammar import COMPILE_THREADS, GrammarCompiler
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampler import Sampler, SamplingState
 
@@ -171,15 +173,25 @@ def test_a_grammar_in_gbnf_or_lark_constrains_alike(engine):
 
 
 def test_a_constraint_slower_to_compile_than_the_bound_is_refused(engine):
+    """The compile threads held busy (as by a pathological schema): a new constraint is
+    refused once the bound passes, instead of holding its caller."""
     compiler = GrammarCompiler(
-        engine.tokenizer,
-        engine.model_config.vocab_size,
-        engine.eos_token_ids,
-        timeout_s=1e-6,
+        engine.tokenizer, engine.model_config.vocab_size, engine.eos_token_ids, timeout_s=0.2
     )
-    with pytest.raises(InvalidRequestError, match="longer than") as exc:
-        compiler.check(NUMBER, "response_format")
-    assert exc.value.field == "response_format"
+    compiler.tokenizer  # noqa: B018  (built once, apart from any compile's bound)
+    held = threading.Event()
+    blockers = [compiler._pool.submit(held.wait) for _ in range(COMPILE_THREADS)]
+    try:
+        started = time.monotonic()
+        with pytest.raises(InvalidRequestError, match="longer than 200 ms") as exc:
+            compiler.check(NUMBER, "response_format")
+        assert exc.value.field == "response_format"
+        assert time.monotonic() - started < 2.0
+    finally:
+        held.set()
+    for blocker in blockers:
+        blocker.result()
+    compiler.check(NUMBER, "response_format")  # free again: it compiles
 
 
 def test_each_constraint_compiles_once_and_the_cache_is_bounded(engine):

@@ -120,7 +120,8 @@ class GrammarCompiler:
             if found is not None:
                 self._cache.move_to_end(key)
         if found is None:
-            future = self._pool.submit(self._compile, constraint)
+            tokenizer = self.tokenizer  # built once, outside the bound on compiling
+            future = self._pool.submit(self._compile, constraint, tokenizer)
             try:
                 found = future.result(timeout=self.timeout_s)
             except FutureTimeout:  # the thread goes on until llguidance's fuel ends it
@@ -135,7 +136,9 @@ class GrammarCompiler:
             raise InvalidRequestError(field, found)
         return found
 
-    def _compile(self, constraint: Constraint) -> llguidance.LLMatcher | str:
+    def _compile(
+        self, constraint: Constraint, tokenizer: llguidance.LLTokenizer
+    ) -> llguidance.LLMatcher | str:
         """The grammar's start, its first mask computed (which builds the lexer), or what
         is wrong with the constraint."""
         try:

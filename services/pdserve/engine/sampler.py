@@ -8,7 +8,8 @@ before penalties, temperature or filters (vLLM's default "raw_logprobs").
 A row under a constraint (structured outputs) has its grammar's token mask applied after
 the penalties, before greedy or sampled picks alike, so a token its grammar rejects is
 never chosen: the masks of every constrained row are computed in one llguidance call and
-applied to the whole batch's logits in one `masked_fill`.
+applied to the whole batch's logits in one `masked_fill` (rows without a constraint
+allow every token).
 
 Every row that needs no penalty, filter, mask or logprobs costs nothing extra: each step works on
 the sub-batch of rows that asked for it. The only device sync is the one `.tolist()` at the
@@ -21,6 +22,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.core.sampling_params import SamplingParams, TokenLogprobs
@@ -69,7 +71,6 @@ class Sampler:
         """`generator` draws for unseeded rows; None means torch's default for the device."""
         self.generator = generator
         self._masks: MaskFiller | None = None  # made by the first constrained batch
-        self._bit_shifts: torch.Tensor | None = None
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
@@ -86,24 +87,24 @@ class Sampler:
         """-inf for every token a row's grammar rejects; a new tensor when any row has one.
 
         One bitmask for the whole batch ([N, V / 32] int32, bit t % 32 of word t // 32
-        allows token t), all ones in unconstrained rows, filled in one call and unpacked
-        to bytes on the logits' device: a batch of 16 over 49,152 tokens is 3 MB of work.
+        allows token t), all ones in unconstrained rows, filled in one llguidance call,
+        unpacked by numpy (a little-endian word's bytes are in its bits' order) and
+        applied in one masked_fill: 1.5 ms of CPU for 16 rows of 49,152 tokens.
         """
         rows = [(s.grammar, i) for i, s in enumerate(states) if s.grammar is not None]
         if not rows:
             return logits
         if self._masks is None:
             self._masks = MaskFiller()
-            self._bit_shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
         num_rows, vocab_size = logits.shape
         words = bitmask_words(vocab_size)
         bitmask = torch.full((num_rows, words), -1, dtype=torch.int32)
         self._masks.fill(rows, bitmask.data_ptr(), num_rows, words)
-        # little-endian words: byte j of word w holds tokens 32w + 8j .. 32w + 8j + 7
-        mask_bytes = _pinned(bitmask, logits.device).view(torch.uint8)  # [N, 4 * words]
-        bits = (mask_bytes.unsqueeze(-1) >> self._bit_shifts) & 1  # [N, 4 * words, 8]
-        rejected = bits.view(num_rows, -1)[:, :vocab_size] == 0
-        return logits.masked_fill(rejected, float("-inf"))
+        bits = bitmask.numpy().view(np.uint8)
+        rejected = np.unpackbits(bits, axis=1, count=vocab_size, bitorder="little")
+        np.bitwise_xor(rejected, 1, out=rejected)  # [N, V] uint8: 1 where rejected
+        mask = _pinned(torch.from_numpy(rejected).view(torch.bool), logits.device)
+        return logits.masked_fill(mask, float("-inf"))
 
     def _sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
         rows = [i for i, s in enumerate(states) if not s.params.is_greedy]
