@@ -136,13 +136,14 @@ def child_main(config_json: str) -> int:
             for _ in range(WARMUP_STEPS):
                 engine.step()
         elif "steps" in message:
-            times, tokens = [], []
+            times, cpu, tokens = [], [], []
             for _ in range(message["steps"]):
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 deltas = engine.step()
                 times.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)  # every thread of the process
                 tokens.append(sorted((d.request_id, d.token_ids) for d in deltas))
-            reply = {"times": times, "tokens": tokens}
+            reply = {"times": times, "cpu": cpu, "tokens": tokens}
         elif "finish" in message:
             while engine.has_unfinished_requests():
                 engine.step()
@@ -151,7 +152,9 @@ def child_main(config_json: str) -> int:
 
 
 def compare(children: list[Child], args: argparse.Namespace, batch: int) -> list[list[float]]:
-    """Each side's decode-step times (s) at `batch` sequences, taken in rotation."""
+    """Each side's decode-step times (s) at `batch` sequences, taken in rotation: wall
+    clock, or with `--cpu` the process's CPU time (all its threads), which a machine
+    shared with other work stretches far less."""
     max_tokens = WARMUP_STEPS + args.rounds * args.steps + 1
     setup = {"batch": batch, "seed": batch, "context": args.context, "max_tokens": max_tokens}
     for child in children:
@@ -162,7 +165,7 @@ def compare(children: list[Child], args: argparse.Namespace, batch: int) -> list
         for j in range(len(children)):
             k = (i + j) % len(children)
             reply = children[k].ask({"steps": args.steps})
-            times[k].extend(reply["times"])
+            times[k].extend(reply["cpu" if args.cpu else "times"])
             tokens[k].extend(reply["tokens"])
     for child in children:
         child.ask({"finish": True})
@@ -184,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--rounds", type=int, default=8, help="turns of every side")
     parser.add_argument("--steps", type=int, default=4, help="steps per turn")
+    parser.add_argument("--cpu", action="store_true", help="time steps in process CPU time")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
@@ -213,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     for child in children:
         child.close()
     print(f"load average at end: {load_average()}")
-    print(f"\n| sequences | side | step median (ms) | fastest (ms) | vs {args.side[0].label} |")
+    clock = "CPU" if args.cpu else "wall"
+    header = f"step median, {clock} (ms) | fastest (ms) | vs {args.side[0].label}"
+    print(f"\n| sequences | side | {header} |")
     print("| --- | --- | --- | --- | --- |")
     print("\n".join(rows))
     return 0
