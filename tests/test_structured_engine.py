@@ -206,3 +206,18 @@ def test_each_constraint_compiles_once_and_the_cache_is_bounded(engine):
     compiler.check(YES_NO, "c")
     compiler.check(NUMBER, "c")
     assert len(compiler._cache) == 2 and compiler._compiled(WORDS, "c") is not first
+
+
+def test_a_preempted_constrained_request_resumes_its_grammar_where_it_was(demo_model_dir):
+    """Recomputed after preemption, a request samples on from the matcher's state: its
+    output is what it is alone, and still matches."""
+    long_words = Constraint(ConstraintKind.REGEX, "[a-z]{40,60}")
+    prompts = [[(11 * i + 7 * j) % 900 + 3 for j in range(30)] for i in range(6)]
+    asked = params(long_words, max_tokens=60)
+    roomy = LLMEngine.from_pretrained(demo_model_dir, num_kv_blocks=NUM_BLOCKS)
+    alone = [roomy.generate([p], asked)[0].text for p in prompts]
+    tight = LLMEngine.from_pretrained(demo_model_dir, num_kv_blocks=12)
+    together = [out.text for out in tight.generate(prompts, asked)]
+    assert tight.scheduler.num_preemptions > 0
+    assert together == alone
+    assert all(re.fullmatch("[a-z]{40,60}", text) for text in together)

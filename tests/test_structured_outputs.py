@@ -222,9 +222,12 @@ def assert_no_kv_held(cluster) -> None:
         assert is_idle(wait_idle(worker.address, worker.role)), worker.name
 
 
-def test_without_the_constraint_most_answers_are_not_valid(cluster):
+def test_without_the_constraint_most_answers_are_not_valid(cluster, request):
     """The same chats, greedy, without the constraint: SmolLM2 wraps its JSON in prose
-    and fences, or strays from the schema."""
+    and fences, or strays from the schema. The model's text is the same in either
+    placement, so one of them shows it."""
+    if request.node.callspec.params["cluster"] != "disaggregated":
+        pytest.skip("the same model and prompts as in the disaggregated placement")
 
     async def free_answers():
         client = openai_client(cluster)
