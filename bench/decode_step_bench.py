@@ -11,6 +11,13 @@ single timings would not.
     git worktree add /tmp/before HEAD
     .venv/bin/python bench/decode_step_bench.py --model $M \\
         --side before=/tmp/before --side after=. --batches 1,16 --dtype bfloat16
+
+The key `constraint=json` puts every request of its side under a JSON schema (structured
+outputs: an array of at least 50 objects, so no request completes it within the steps
+timed), against a side without it:
+
+    .venv/bin/python bench/decode_step_bench.py --model $M --dtype float32 --batches 16 \\
+        --side free=. --side constrained=.:constraint=json
 """
 
 from __future__ import annotations
@@ -28,6 +35,16 @@ from pathlib import Path
 
 KV_CACHE_BYTES = 512 << 20  # a batch of 16 at 256 tokens needs a third of it in float32
 WARMUP_STEPS = 4  # the prefill, then decode steps the timings leave out
+# `constraint=json`: JSON with keys, integers and strings, long enough to outlast the steps
+BENCH_SCHEMA = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"id": {"type": "integer"}, "name": {"type": "string"}},
+        "required": ["id", "name"],
+    },
+    "minItems": 50,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,10 +110,14 @@ def child_main(config_json: str) -> int:
     import torch
 
     from pdserve.bench.component import greedy, random_prompt
+    from pdserve.core.structured_output import Constraint, ConstraintKind
     from pdserve.engine.llm_engine import LLMEngine
 
     config = json.loads(config_json)
     torch.set_num_threads(config.pop("threads", 1))
+    constraint = None
+    if config.pop("constraint", None) == "json":
+        constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(BENCH_SCHEMA))
     engine = LLMEngine.from_pretrained(
         config.pop("model"), kv_cache_bytes=KV_CACHE_BYTES, max_num_batched_tokens=8192, **config
     )
@@ -109,17 +130,20 @@ def child_main(config_json: str) -> int:
             limit = engine.model_config.vocab_size
             for _ in range(message["batch"]):
                 prompt = random_prompt(message["context"], rng, limit)
-                engine.add_request(prompt, greedy(message["max_tokens"]))
+                params = greedy(message["max_tokens"])
+                params.constraint = constraint
+                engine.add_request(prompt, params)
             for _ in range(WARMUP_STEPS):
                 engine.step()
         elif "steps" in message:
-            times, tokens = [], []
+            times, cpu, tokens = [], [], []
             for _ in range(message["steps"]):
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 deltas = engine.step()
                 times.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)  # every thread of the process
                 tokens.append(sorted((d.request_id, d.token_ids) for d in deltas))
-            reply = {"times": times, "tokens": tokens}
+            reply = {"times": times, "cpu": cpu, "tokens": tokens}
         elif "finish" in message:
             while engine.has_unfinished_requests():
                 engine.step()
@@ -128,7 +152,9 @@ def child_main(config_json: str) -> int:
 
 
 def compare(children: list[Child], args: argparse.Namespace, batch: int) -> list[list[float]]:
-    """Each side's decode-step times (s) at `batch` sequences, taken in rotation."""
+    """Each side's decode-step times (s) at `batch` sequences, taken in rotation: wall
+    clock, or with `--cpu` the process's CPU time (all its threads), which a machine
+    shared with other work stretches far less."""
     max_tokens = WARMUP_STEPS + args.rounds * args.steps + 1
     setup = {"batch": batch, "seed": batch, "context": args.context, "max_tokens": max_tokens}
     for child in children:
@@ -139,7 +165,7 @@ def compare(children: list[Child], args: argparse.Namespace, batch: int) -> list
         for j in range(len(children)):
             k = (i + j) % len(children)
             reply = children[k].ask({"steps": args.steps})
-            times[k].extend(reply["times"])
+            times[k].extend(reply["cpu" if args.cpu else "times"])
             tokens[k].extend(reply["tokens"])
     for child in children:
         child.ask({"finish": True})
@@ -161,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--rounds", type=int, default=8, help="turns of every side")
     parser.add_argument("--steps", type=int, default=4, help="steps per turn")
+    parser.add_argument("--cpu", action="store_true", help="time steps in process CPU time")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
@@ -190,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     for child in children:
         child.close()
     print(f"load average at end: {load_average()}")
-    print(f"\n| sequences | side | step median (ms) | fastest (ms) | vs {args.side[0].label} |")
+    clock = "CPU" if args.cpu else "wall"
+    header = f"step median, {clock} (ms) | fastest (ms) | vs {args.side[0].label}"
+    print(f"\n| sequences | side | {header} |")
     print("| --- | --- | --- | --- | --- |")
     print("\n".join(rows))
     return 0

@@ -44,7 +44,7 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:,"}}
 # (the fields of the request, the parameter the error names)
 BAD_CHATS = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),  # without one
     ({"logit_bias": {"5": 10}}, "logit_bias"),
     ({"temperature": -1.0}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
@@ -60,7 +60,7 @@ BAD_CHATS = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [IMAGE]}]}, "messages[0].content[0]"),
     ({"messages": [{"role": "user", "content": "x", "tool_call_id": "t"}]}, "messages[0]"),
-    ({"extra_body": {"guided_json": {}}}, "guided_json"),
+    ({"extra_body": {"guided_json": {"type": "wat"}}}, "guided_json"),
 ]
 
 

@@ -9,15 +9,24 @@ import grpc
 import pytest
 from procs import router_process, worker_process
 
-from pdserve.api.v1 import common_pb2, decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
+from pdserve.api.v1 import decode_pb2, decode_pb2_grpc, router_pb2, router_pb2_grpc
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.structured_output import Constraint, ConstraintKind
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.rpc.wire import sampling_params_to_proto
+from pdserve.rpc.wire import FINISH_REASONS, sampling_params_to_proto
 
 pytestmark = pytest.mark.cluster
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=800, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.8, seed=5, max_tokens=800, ignore_eos=True)
+# under a constraint: the retry's decode worker rebuilds the matcher from the first token
+# and regenerates the same tokens, so the same grammar states (it may end before 800)
+WORDS = SamplingParams(
+    temperature=0.8,
+    seed=9,
+    max_tokens=800,
+    constraint=Constraint(ConstraintKind.REGEX, "[a-z]+( [a-z]+)*"),
+)
 
 
 # 5: decode workers send several tokens per message, so a retry's messages group the
@@ -73,7 +82,7 @@ async def wait_until_decoding_on(worker, stub, ids, runs, timeout_s=30.0) -> Non
 async def test_sigkill_of_a_decode_worker_mid_stream_loses_no_token(cluster, demo_model_dir):
     router, prefill, victim, survivor, stream_interval = cluster
     prompts = [[(13 * i + 7 * j) % 990 + 3 for j in range(40 + 9 * i)] for i in range(8)]
-    params = [PARAMS if i % 2 else SEEDED for i in range(8)]
+    params = [WORDS if i in (2, 5) else PARAMS if i % 2 else SEEDED for i in range(8)]
     expected = LLMEngine.from_pretrained(demo_model_dir).generate(prompts, params)
     ids = [f"decode-death-{i}-{time.time_ns()}" for i in range(8)]
     async with grpc.aio.insecure_channel(router) as channel:
@@ -92,7 +101,7 @@ async def test_sigkill_of_a_decode_worker_mid_stream_loses_no_token(cluster, dem
     for messages, want in zip(results, expected, strict=True):
         assert [t for m in messages for t in m.token_ids] == want.token_ids
         assert "".join(m.text for m in messages) == want.text
-        assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert messages[-1].finish_reason == FINISH_REASONS[want.finish_reason]
         assert [m.offset for m in messages] == sorted(m.offset for m in messages)
         if stream_interval > 1:  # the case is what it says: several tokens per message
             assert max(len(m.token_ids) for m in messages) >= stream_interval

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.core.errors import InvalidRequestError
+from pdserve.core.structured_output import MAX_CONSTRAINT_BYTES, Constraint
 
 MAX_LOGPROBS = 20
 # Hard caps every engine enforces, whatever the router's own (lower) limits say: the stop
@@ -31,6 +32,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, not returned in text
     seed: int | None = None
     logprobs: int | None = None  # None: none; N: sampled token plus top-N (N <= 20)
+    # what the output must match (structured outputs); None: free text
+    constraint: Constraint | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -64,6 +67,8 @@ class SamplingParams:
         for i, token_id in enumerate(self.stop_token_ids):
             _integer(f"stop_token_ids[{i}]", token_id, low=0, high=vocab_size - 1)
         check_stop_strings(self.stop, MAX_STOP_STRINGS, MAX_STOP_LENGTH)
+        if self.constraint is not None:
+            self.constraint.validate(f"sampling_params.{self.constraint.kind.value}")
 
 
 def check_stop_strings(
@@ -179,7 +184,7 @@ class RequestLimits:
         larger one before parsing it, so no field is ever held far past its limit."""
         prompt = max(self.max_prompt_bytes, _MAX_VARINT_BYTES * self.max_model_len)
         stop = self.max_stop_strings * (4 * self.max_stop_length + _MAX_VARINT_BYTES + 1)
-        return prompt + stop + REQUEST_OVERHEAD_BYTES
+        return prompt + stop + MAX_CONSTRAINT_BYTES + REQUEST_OVERHEAD_BYTES
 
     def max_json_body_bytes(self) -> int:
         """The same request as an HTTP JSON body: a JSON string spends at most 6 bytes

@@ -19,6 +19,7 @@ from pdserve.core.model_config import ModelConfig
 from pdserve.core.sampling_params import SamplingParams, check_prompt_token_ids, check_request
 from pdserve.engine.block_manager import BlockManager
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.kv_cache import KVCache
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_runner import ModelRunner
@@ -90,6 +91,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | frozenset(
             self.model_config.eos_token_ids
         )
+        # structured outputs: each constraint compiled once, a matcher per request
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+        )
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **overrides) -> LLMEngine:
@@ -127,9 +132,13 @@ class LLMEngine:
         """A validated Request (InvalidRequestError names the field), not yet queued."""
         prompt_ids = self._prompt_token_ids(prompt)
         self._validate(prompt_ids, params)
-        return Request(
+        request = Request(
             request_id, prompt_ids, replace(params), self.eos_token_ids, time.monotonic()
         )
+        if params.constraint is not None:  # compiled here, before any block is reserved
+            field = f"sampling_params.{params.constraint.kind.value}"
+            request.grammar = self.grammars.matcher(params.constraint, field)
+        return request
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its KV blocks. Unknown ids raise UnknownRequestError."""
@@ -295,7 +304,12 @@ class LLMEngine:
             if not shared:
                 self.block_manager.keep_private(request)
             request.num_computed_tokens = request.num_prompt_tokens
-            request.append_output_token(first_token_id)
+            request.append_output_token(first_token_id)  # advances its grammar, if any
+            if request.grammar is not None and request.grammar.error is not None:
+                self.block_manager.free(request)
+                raise InvalidRequestError(
+                    "first_token_id", f"{first_token_id} is outside the request's constraint"
+                )
             self.outputs.add(request, already_sent=[first_token_id])
             self.scheduler.add_prefilled_request(request)
 

@@ -198,4 +198,6 @@ def sampling_state(request: Request, device: torch.device) -> SamplingState:
         banned = (*eos, *params.stop_token_ids)
     # Only penalties read the output tokens; slicing them costs O(length) per step.
     outputs = request.output_token_ids if params.has_penalties else []
-    return SamplingState(params, request.prompt_token_ids, outputs, generator, banned)
+    return SamplingState(
+        params, request.prompt_token_ids, outputs, generator, banned, request.grammar
+    )

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.engine.grammar import GrammarMatcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -64,6 +65,8 @@ class Request:
     # tokens the engine had computed by then (how long it has waited, in work: aging)
     arrival_index: int = 0
     work_at_arrival: int = 0
+    # params.constraint's matcher, advanced with every output token; None: unconstrained
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -91,3 +94,5 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.advance(token_id)  # a rejected token leaves it in error: it stops

@@ -5,7 +5,13 @@ greedy argmax (temperature 0) or temperature, top-k, top-p, min-p and a draw. Lo
 always those of the model's raw distribution, log_softmax of the logits as they came in,
 before penalties, temperature or filters (vLLM's default "raw_logprobs").
 
-Every row that needs no penalty, filter or logprobs costs nothing extra: each step works on
+A row under a constraint (structured outputs) has its grammar's token mask applied after
+the penalties, before greedy or sampled picks alike, so a token its grammar rejects is
+never chosen: the masks of every constrained row are computed in one llguidance call and
+applied to the whole batch's logits in one `masked_fill` (rows without a constraint
+allow every token).
+
+Every row that needs no penalty, filter, mask or logprobs costs nothing extra: each step works on
 the sub-batch of rows that asked for it. The only device sync is the one `.tolist()` at the
 end; small per-row tensors travel host-to-device through pinned memory without blocking.
 """
@@ -16,9 +22,11 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.core.sampling_params import SamplingParams, TokenLogprobs
+from pdserve.engine.grammar import GrammarMatcher, MaskFiller, bitmask_words
 
 
 @dataclass(slots=True)
@@ -32,6 +40,8 @@ class SamplingState:
     generator: torch.Generator | None = None
     # never sampled this step (EOS and stop ids while fewer than min_tokens are out)
     banned_token_ids: tuple[int, ...] = ()
+    # the request's constraint where it has one: only tokens it allows are sampled
+    grammar: GrammarMatcher | None = None
 
 
 @dataclass(slots=True)
@@ -60,14 +70,41 @@ class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         """`generator` draws for unseeded rows; None means torch's default for the device."""
         self.generator = generator
+        self._masks: MaskFiller | None = None  # made by the first constrained batch
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
         """Sample one token per row of `logits` ([N, V]) for the N `states`, in order."""
         raw = logits.float()  # left untouched: every step below is out of place
         penalized = _apply_penalties(_apply_bans(raw, states), states)
-        token_ids = self._sample(penalized, states)  # [N] int64
+        allowed = self._apply_grammars(penalized, states)
+        token_ids = self._sample(allowed, states)  # [N] int64
         return _to_output(raw, token_ids, states)
+
+    def _apply_grammars(
+        self, logits: torch.Tensor, states: Sequence[SamplingState]
+    ) -> torch.Tensor:
+        """-inf for every token a row's grammar rejects; a new tensor when any row has one.
+
+        One bitmask for the whole batch ([N, V / 32] int32, bit t % 32 of word t // 32
+        allows token t), all ones in unconstrained rows, filled in one llguidance call,
+        unpacked by numpy (a little-endian word's bytes are in its bits' order) and
+        applied in one masked_fill: 1.5 ms of CPU for 16 rows of 49,152 tokens.
+        """
+        rows = [(s.grammar, i) for i, s in enumerate(states) if s.grammar is not None]
+        if not rows:
+            return logits
+        if self._masks is None:
+            self._masks = MaskFiller()
+        num_rows, vocab_size = logits.shape
+        words = bitmask_words(vocab_size)
+        bitmask = torch.full((num_rows, words), -1, dtype=torch.int32)
+        self._masks.fill(rows, bitmask.data_ptr(), num_rows, words)
+        bits = bitmask.numpy().view(np.uint8)
+        rejected = np.unpackbits(bits, axis=1, count=vocab_size, bitorder="little")
+        np.bitwise_xor(rejected, 1, out=rejected)  # [N, V] uint8: 1 where rejected
+        mask = _pinned(torch.from_numpy(rejected).view(torch.bool), logits.device)
+        return logits.masked_fill(mask, float("-inf"))
 
     def _sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
         rows = [i for i, s in enumerate(states) if not s.params.is_greedy]

@@ -376,6 +376,11 @@ class Scheduler:
         """Why the request stops after its newest token, or None to go on."""
         params = request.params
         token_id = request.token_ids[-1]
+        grammar = request.grammar  # complete (nothing may follow) or broken: it ends here
+        if grammar is not None and grammar.error is not None:
+            return RequestStatus.FINISHED_ABORTED
+        if grammar is not None and grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED

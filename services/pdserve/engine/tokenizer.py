@@ -92,6 +92,20 @@ class Tokenizer:
     def bos_token_id(self) -> int | None:
         return self._bos_token_id
 
+    def backend_json(self) -> str:
+        """The whole tokenizer as Hugging Face's `tokenizer.json` text (what grammar
+        libraries read a vocabulary from)."""
+        return self._backend.to_str()
+
+    def vocabulary(self) -> list[str]:
+        """Every token's string as the tokenizer stores it (byte-level BPE's mapped
+        characters, not decoded text), indexed by id."""
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        tokens = [""] * (max(vocab.values()) + 1)
+        for token, token_id in vocab.items():
+            tokens[token_id] = token
+        return tokens
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Without `add_special_tokens`, only what the text says (a rendered chat prompt
         already holds its BOS): as `transformers`' `apply_chat_template` tokenizes.

@@ -29,6 +29,7 @@ from pdserve.core.sampling_params import (
     check_prompt_token_ids,
     check_request,
 )
+from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.admission import AdmissionQueue
 from pdserve.router.auth.caller import Caller, current_caller
@@ -107,6 +108,13 @@ class Frontend:
         self.router_id = router_id
         self.limits, self.admission = limits, admission  # what a request may hold; slots
         self._tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        # structured outputs: each request's constraint compiled here first (cached), so a
+        # bad one is refused before any worker reserves KV for it
+        self.grammars = GrammarCompiler(
+            tokenizer,
+            model_config.vocab_size,
+            {*tokenizer.eos_token_ids, *model_config.eos_token_ids},
+        )
         self.sessions: dict[str, RequestSession] = {}  # the requests running here
         self.limiter = limiter  # counts API keys' tokens per minute; None: no keys
 
@@ -150,6 +158,7 @@ class Frontend:
         self.check_limits(request)
         prompt = await self.prompt_ids(request)
         params = self.checked_params(request.sampling, prompt)
+        await self.check_constraint(params)
         digest = request_digest(prompt, params)  # what the client asked: before retry_safe
         request_id = caller.scoped_id(request.request_id or uuid.uuid4().hex)
         offset = request.resume_from if request.HasField("resume_from") else 0
@@ -320,6 +329,14 @@ class Frontend:
             field = PUBLIC_SAMPLING + exc.field.removeprefix(_ENGINE_SAMPLING)
             raise InvalidRequestError(field, exc.message) from exc
         return params
+
+    async def check_constraint(self, params: SamplingParams) -> None:
+        """Compile the request's constraint, if it has one, on a thread (a compile takes up
+        to the compiler's bound): InvalidRequestError naming `sampling.<kind>`."""
+        if params.constraint is not None:
+            field = f"{PUBLIC_SAMPLING}.{params.constraint.kind.value}"
+            check = functools.partial(self.grammars.check, params.constraint, field)
+            await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, check)
 
     def check_limits(self, request: router_pb2.GenerateRequest) -> None:
         """What the request holds, within the router's limits, before any of it is

@@ -42,10 +42,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Admit(self, request, context):
         worker = self.worker
         worker.check_admitting()
+        params = sampling_params_from_proto(request.sampling)
+        await worker.compile_constraint(params)  # before any block is reserved
         with tracing.start_span("admit", request.request_id, kind=SpanKind.SERVER) as span:
             lease = worker.leases.admit(
                 list(request.prompt_token_ids),
-                sampling_params_from_proto(request.sampling),
+                params,
                 request.request_id or uuid.uuid4().hex,
                 request.lease_ttl_ms / 1000,  # 0: the worker's default
             )

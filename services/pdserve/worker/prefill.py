@@ -214,6 +214,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         # caller's request id for the same request (its lease).
         request_id = f"{request.request_id or uuid.uuid4().hex}{PREFILL_ID_SUFFIX}"
         params = sampling_params_from_proto(request.sampling)
+        await worker.compile_constraint(params)  # off the engine thread, which finds it cached
         lease_id = request.target.lease_id
         peer = self.peers.acquire(request.target.address)
         try:

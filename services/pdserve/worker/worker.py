@@ -106,6 +106,15 @@ class Worker:
             dtype=engine.config.dtype,
         )
 
+    async def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile the request's constraint (structured outputs), if any, on a thread and
+        before the request takes KV blocks or the engine thread: cached, so the engine finds
+        it compiled. InvalidRequestError naming `sampling_params.<kind>`."""
+        constraint = params.constraint
+        if constraint is not None:
+            field = f"sampling_params.{constraint.kind.value}"
+            await asyncio.to_thread(self.engine.grammars.check, constraint, field)
+
     async def start_local(
         self,
         prompt_token_ids: list[int],
@@ -119,6 +128,7 @@ class Worker:
         Raises UnavailableError while draining, and what `LLMEngine.add_request` raises.
         """
         self.check_admitting()
+        await self.compile_constraint(params)
         sink = self.loop.open_sink(request_id)
         try:
             await self.loop.call(

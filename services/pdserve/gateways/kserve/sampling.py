@@ -7,6 +7,11 @@ request's parameters; the names are vLLM's (and the OpenAI API's): those the pub
 Unset fields take vLLM's defaults, which are pdserve's (temperature 1, max_tokens 16).
 Anything else, `n` or `logprobs` included, is an error naming it: pdserve has no
 output that would carry its effect.
+
+Structured outputs take vLLM's names: `guided_json` (a schema, as an object or JSON
+text), `guided_regex`, `guided_choice`, `guided_grammar`, or one object of them,
+`structured_outputs` (or the older `guided_decoding`, as Triton's vLLM backend passes it)
+with `json`, `regex`, `choice`, `grammar` or `json_object`; one of them at most.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pdserve.api.inference import grpc_service_pb2 as pb
 from pdserve.api.v1 import common_pb2
 from pdserve.core.errors import InvalidRequestError
 from pdserve.core.sampling_params import SamplingParams
+from pdserve.core.structured_output import Constraint, ConstraintKind
 from pdserve.rpc.wire import sampling_params_to_proto
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -98,8 +104,27 @@ def _parameter_value(param: pb.InferParameter) -> object:
     return None if which is None else getattr(param, which)  # unset: the default
 
 
+# vLLM's flat fields of structured outputs, and the objects that hold one of them
+CONSTRAINT_FIELDS = {
+    "guided_json": ConstraintKind.JSON_SCHEMA,
+    "guided_regex": ConstraintKind.REGEX,
+    "guided_choice": ConstraintKind.CHOICE,
+    "guided_grammar": ConstraintKind.GRAMMAR,
+}
+CONSTRAINT_OBJECTS = ("structured_outputs", "guided_decoding")
+OBJECT_KEYS = {
+    "json": ConstraintKind.JSON_SCHEMA,
+    "regex": ConstraintKind.REGEX,
+    "choice": ConstraintKind.CHOICE,
+    "grammar": ConstraintKind.GRAMMAR,
+    "json_object": ConstraintKind.JSON_OBJECT,
+}
+
+
 def sampling_from_values(values: Mapping[str, object], field: str) -> common_pb2.SamplingParams:
     """Named values as the public API's sampling parameters (checked by the frontend)."""
+    values = dict(values)
+    constraint = _constraint(values, field)  # takes its fields out of `values`
     unknown = sorted(name for name in values if name not in FIELDS)
     if unknown:
         supported = ", ".join(FIELDS)
@@ -116,7 +141,49 @@ def sampling_from_values(values: Mapping[str, object], field: str) -> common_pb2
             raise InvalidRequestError(f"{field}.{name}", str(exc)) from exc
     if params.top_k == VLLM_NO_TOP_K:
         params.top_k = 0
+    params.constraint = constraint
     return sampling_params_to_proto(params)
+
+
+def _constraint(values: dict[str, object], field: str) -> Constraint | None:
+    """The one structured output among `values` (removed from them), or None."""
+    asked = [
+        (name, CONSTRAINT_FIELDS[name], values.pop(name))
+        for name in list(values)
+        if name in CONSTRAINT_FIELDS and values[name] is not None
+    ]
+    for name in CONSTRAINT_OBJECTS:
+        held = values.pop(name, None)
+        if held is None:
+            continue
+        if not isinstance(held, dict) or len(held) != 1 or next(iter(held)) not in OBJECT_KEYS:
+            keys = ", ".join(OBJECT_KEYS)
+            raise InvalidRequestError(f"{field}.{name}", f"must be an object of one of {keys}")
+        [(key, value)] = held.items()
+        asked.append((f"{name}.{key}", OBJECT_KEYS[key], value))
+    if len(asked) > 1:
+        raise InvalidRequestError(f"{field}.{asked[1][0]}", "one structured output at most")
+    if not asked:
+        return None
+    [(name, kind, value)] = asked
+    try:
+        return _constraint_of(kind, value)
+    except TypeError as exc:
+        raise InvalidRequestError(f"{field}.{name}", str(exc)) from None
+
+
+def _constraint_of(kind: ConstraintKind, value: object) -> Constraint | None:
+    if kind is ConstraintKind.JSON_OBJECT:
+        return Constraint(kind) if _bool(value) else None
+    if kind is ConstraintKind.CHOICE:
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise TypeError(f"must be a list of strings, got {value!r}")
+        return Constraint(kind, choices=tuple(value))
+    if kind is ConstraintKind.JSON_SCHEMA and isinstance(value, dict | bool):
+        return Constraint(kind, json.dumps(value, ensure_ascii=False))
+    if not isinstance(value, str):
+        raise TypeError(f"must be a string, got {value!r}")
+    return Constraint(kind, value)
 
 
 def _float(value: object) -> float:

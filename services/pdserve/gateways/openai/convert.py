@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 from pdserve.api.v1 import common_pb2, router_pb2
 from pdserve.core.sampling_params import RequestLimits
+from pdserve.core.structured_output import ConstraintKind
 from pdserve.gateways.chat_template import ChatTemplate
+from pdserve.gateways.openai.constraints import RESPONSE_FORMAT, AskedConstraint, asked_constraint
 from pdserve.gateways.openai.errors import bad_request
 from pdserve.gateways.openai.protocol import (
     MAX_CHOICES,
@@ -25,10 +27,12 @@ from pdserve.gateways.openai.protocol import (
     unsupported_field,
 )
 from pdserve.router.frontend import PUBLIC_SAMPLING
+from pdserve.rpc.wire import constraint_to_proto
 
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's legacy completions; chat: the context left
 TEXT_PART = "text"
+_CONSTRAINT_FIELDS = frozenset(kind.value for kind in ConstraintKind)
 PART_SEPARATOR = "\n"  # between a message's text parts, as vLLM joins them
 
 
@@ -39,12 +43,15 @@ class ParamNames:
     prompt: str  # "messages" | "prompt"
     max_tokens: str  # "max_tokens" | "max_completion_tokens"
     logprobs: str  # "top_logprobs" | "logprobs"
+    constraint: str = RESPONSE_FORMAT  # "response_format" | "guided_json" | ...
 
     def of(self, field: str) -> str:
         if field.startswith("prompt"):
             return self.prompt
         name = field.removeprefix(PUBLIC_SAMPLING + ".")
         base = name.split("[", 1)[0]
+        if base in _CONSTRAINT_FIELDS:
+            return self.constraint
         if base == "max_tokens":
             return self.max_tokens
         if base == "logprobs":
@@ -95,13 +102,15 @@ def chat_requests(
         max_tokens = max(max_model_len - len(prompt_ids), 1)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     uses_completion_tokens = request.max_completion_tokens is not None
+    asked = asked_constraint(request)
     names = ParamNames(
         prompt="messages",
         max_tokens="max_completion_tokens" if uses_completion_tokens else "max_tokens",
         logprobs="top_logprobs" if request.top_logprobs is not None else "logprobs",
+        constraint=_constraint_field(asked),
     )
     prompt = router_pb2.TokenIds(ids=prompt_ids)
-    sampling = _sampling(request, max_tokens, logprobs)
+    sampling = _sampling(request, max_tokens, logprobs, asked)
     requests = [
         _request(sampling, seed, request.stream, token_ids=prompt, priority=request.priority)
         for seed in choice_seeds(request.seed, request.n)
@@ -114,10 +123,12 @@ def completion_requests(request: CompletionRequest) -> RouterRequests:
     prompts = _prompts(request.prompt)
     _check_common(request, num_prompts=len(prompts))
     max_tokens = request.max_tokens
+    asked = asked_constraint(request)
     sampling = _sampling(
         request,
         DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
         request.logprobs,
+        asked,
     )
     seeds = choice_seeds(request.seed, request.n)
     requests = [
@@ -125,7 +136,12 @@ def completion_requests(request: CompletionRequest) -> RouterRequests:
         for prompt in prompts
         for seed in seeds
     ]
-    return RouterRequests(requests, request.n, ParamNames("prompt", "max_tokens", "logprobs"))
+    names = ParamNames("prompt", "max_tokens", "logprobs", _constraint_field(asked))
+    return RouterRequests(requests, request.n, names)
+
+
+def _constraint_field(asked: AskedConstraint | None) -> str:
+    return RESPONSE_FORMAT if asked is None else asked.field
 
 
 def _check_common(request: SamplingFields, num_prompts: int) -> None:
@@ -173,7 +189,10 @@ def _stops(stop: str | Sequence[str] | None) -> list[str]:
 
 
 def _sampling(
-    request: SamplingFields, max_tokens: int, logprobs: int | None
+    request: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    asked: AskedConstraint | None = None,
 ) -> common_pb2.SamplingParams:
     """The request's sampling, as the router takes it (it checks every value)."""
     sampling = common_pb2.SamplingParams(
@@ -194,6 +213,8 @@ def _sampling(
         sampling.repetition_penalty = request.repetition_penalty
     if logprobs is not None:
         sampling.logprobs = logprobs
+    if asked is not None:
+        constraint_to_proto(asked.constraint, sampling)
     return sampling
 
 

@@ -10,7 +10,7 @@ name the client used.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -26,7 +26,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None,),
-    "response_format": (None, {"type": "text"}),
     "logit_bias": (None, {}),
     "audio": (None,),
     "modalities": (None, ["text"]),
@@ -73,6 +72,32 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's `response_format.json_schema`; the schema is always enforced, `strict` or
+    not (as vLLM does)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` (the successor of its `guided_*` fields): one of them."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(_Strict):
     """What chat and completions requests share: the model, streaming and sampling."""
 
@@ -98,6 +123,13 @@ class SamplingFields(_Strict):
     stop_token_ids: TokenIds | None = None
     # vLLM's scheduling priority: lower runs first (GenerateRequest.priority, an int32)
     priority: int = Field(0, ge=-INT32_MAX - 1, le=INT32_MAX)
+    # structured outputs (gateways/openai/constraints.py): at most one of these
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's extras
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
     # not implemented: see UNSUPPORTED_FIELDS
     logit_bias: Any = None
     service_tier: Any = None
@@ -142,7 +174,6 @@ class ChatCompletionRequest(SamplingFields):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None

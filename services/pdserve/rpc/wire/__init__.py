@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pdserve.api.v1 import common_pb2, decode_pb2
 from pdserve.core.sampling_params import SamplingParams, TokenLogprobs
+from pdserve.core.structured_output import Constraint, ConstraintKind
 
 FINISH_REASONS = {
     None: common_pb2.FINISH_REASON_UNSPECIFIED,
@@ -40,6 +41,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         stop=list(msg.stop),
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        constraint=constraint_from_proto(msg),
     )
 
 
@@ -62,7 +64,32 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.constraint is not None:
+        constraint_to_proto(params.constraint, msg)
     return msg
+
+
+def constraint_from_proto(msg: common_pb2.SamplingParams) -> Constraint | None:
+    """The `constraint` oneof (the oneof's member names are the kinds' values)."""
+    which = msg.WhichOneof("constraint")
+    if which is None or (which == "json_object" and not msg.json_object):
+        return None
+    kind = ConstraintKind(which)
+    if kind is ConstraintKind.JSON_OBJECT:
+        return Constraint(kind)
+    if kind is ConstraintKind.CHOICE:
+        return Constraint(kind, choices=tuple(msg.choice.choices))
+    return Constraint(kind, getattr(msg, which))
+
+
+def constraint_to_proto(constraint: Constraint, msg: common_pb2.SamplingParams) -> None:
+    kind = constraint.kind
+    if kind is ConstraintKind.JSON_OBJECT:
+        msg.json_object = True
+    elif kind is ConstraintKind.CHOICE:
+        msg.choice.choices[:] = constraint.choices
+    else:
+        setattr(msg, kind.value, constraint.spec)
 
 
 def logprobs_to_proto(lp: TokenLogprobs) -> common_pb2.PositionLogprobs:
