@@ -29,7 +29,7 @@ from pdserve.core.checkpoint import default_model
 from pdserve.core.sampling_params import SamplingParams
 from pdserve.core.structured_output import Constraint, ConstraintKind
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 WORKER_ARGS = ["--num-kv-blocks=512", "--threads=1"]
 PLACEMENTS = {

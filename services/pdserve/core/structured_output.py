@@ -8,6 +8,7 @@ import enum
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve.core.errors import InvalidRequestError
 
@@ -67,7 +68,7 @@ class Constraint:
             schema_object(self.spec, field)
 
 
-def schema_object(spec: str, field: str) -> dict | bool:
+def schema_object(spec: str, field: str) -> dict[str, Any] | bool:
     """The schema `spec` holds: a JSON object (or true/false, as JSON Schema allows)."""
     try:
         schema = json.loads(spec)
