@@ -267,6 +267,25 @@ def test_vllm_sampling_fields_reach_the_engine(client, native):
     assert expected != native.generate(PROMPT, SamplingParams(**sampled)).text  # they told
 
 
+def test_logit_bias_reaches_the_engine(client, native):
+    free = native.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS))
+    # OpenAI's shape: token ids as string keys; +100 on a token greedy would not pick
+    favoured = next(t for t in range(10, 100) if t not in free.token_ids)
+    got = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        temperature=0.0,
+        max_tokens=NUM_TOKENS,
+        logit_bias={str(favoured): 100},
+    )
+    expected = native.generate(
+        PROMPT,
+        SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, logit_bias={favoured: 100.0}),
+    )
+    assert expected.token_ids == [favoured] * NUM_TOKENS
+    assert got.choices[0].text == expected.text
+
+
 def test_chat_logprobs_are_the_engines(client, native, chat_prompt_ids):
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=2)
     expected = native.generate(chat_prompt_ids, params)

@@ -45,7 +45,9 @@ IMAGE = {"type": "image_url", "image_url": {"url": "data:,"}}
 BAD_CHATS = [
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),  # without one
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"logit_bias": {"five": 10}}, "logit_bias"),  # not a token id
+    ({"logit_bias": {"5": 101}}, "logit_bias"),  # past OpenAI's [-100, 100]
+    ({"logit_bias": {str(10**6): 1}}, "logit_bias"),  # outside the vocabulary
     ({"temperature": -1.0}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"presence_penalty": 3.0}, "presence_penalty"),

@@ -165,6 +165,38 @@ def greedy_pick(logits, **kwargs) -> int:
     return sample(logits, state(temperature=0.0, **kwargs)).token_ids[0]
 
 
+def test_logit_bias_is_added_to_its_tokens_logits_before_the_pick():
+    logits = [3.0, 2.0, 1.0]
+    assert greedy_pick(logits, logit_bias={2: 2.5}) == 2  # 1 + 2.5 beats 3
+    assert greedy_pick(logits, logit_bias={0: -1.5}) == 1  # 3 - 1.5 loses to 2
+    assert greedy_pick(logits, logit_bias={2: 1.0}) == 0  # 1 + 1 still loses
+
+
+def test_logit_bias_touches_only_its_own_row_and_shifts_sampling():
+    logits = torch.zeros(2, 4)
+    out = sample(logits, state(temperature=0.0, logit_bias={3: 5.0}), state(temperature=0.0))
+    assert out.token_ids == [3, 0]
+    # -100 on three of four tokens: the fourth is (all but) always drawn
+    assert frequencies([0.25] * 4, logit_bias={0: -100, 1: -100, 2: -100})[3] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("bias", "field"),
+    [
+        ({7: 1.0}, "sampling_params.logit_bias[7]"),  # outside a vocabulary of 5
+        ({1: 100.5}, "sampling_params.logit_bias[1]"),
+        ({1: float("nan")}, "sampling_params.logit_bias[1]"),
+        ({i: 1.0 for i in range(1025)}, "sampling_params.logit_bias"),
+    ],
+)
+def test_a_bad_logit_bias_names_its_field(bias, field):
+    from pdserve.core.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as caught:
+        SamplingParams(logit_bias=bias).validate(vocab_size=5 if len(bias) < 1025 else 2048)
+    assert caught.value.field == field
+
+
 def test_repetition_penalty_divides_positive_logits_of_prompt_tokens():
     logits = [3.0, 2.0, 1.0]
     assert greedy_pick(logits, prompt=[0], repetition_penalty=2.0) == 1  # 3 -> 1.5

@@ -14,6 +14,8 @@ MAX_LOGPROBS = 20
 # matcher's automaton holds at most MAX_STOP_STRINGS * MAX_STOP_LENGTH characters.
 MAX_STOP_STRINGS = 64
 MAX_STOP_LENGTH = 1024  # characters of one stop string
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias
+LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100], as OpenAI's API bounds it
 
 
 @dataclass(slots=True)
@@ -34,6 +36,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; N: sampled token plus top-N (N <= 20)
     # what the output must match (structured outputs); None: free text
     constraint: Constraint | None = None
+    # added to these tokens' logits before sampling (OpenAI's logit_bias): token id -> bias
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     @property
     def is_greedy(self) -> bool:
@@ -67,8 +71,18 @@ class SamplingParams:
         for i, token_id in enumerate(self.stop_token_ids):
             _integer(f"stop_token_ids[{i}]", token_id, low=0, high=vocab_size - 1)
         check_stop_strings(self.stop, MAX_STOP_STRINGS, MAX_STOP_LENGTH)
+        self._check_logit_bias(vocab_size)
         if self.constraint is not None:
             self.constraint.validate(f"sampling_params.{self.constraint.kind.value}")
+
+    def _check_logit_bias(self, vocab_size: int) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise _invalid(
+                "logit_bias", f"{len(self.logit_bias)} tokens; the limit is {MAX_LOGIT_BIAS}"
+            )
+        for token_id, bias in self.logit_bias.items():
+            _integer(f"logit_bias[{token_id}]", token_id, low=0, high=vocab_size - 1)
+            _finite(f"logit_bias[{token_id}]", bias, low=-LOGIT_BIAS_RANGE, high=LOGIT_BIAS_RANGE)
 
 
 def check_stop_strings(

@@ -76,7 +76,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
         """Sample one token per row of `logits` ([N, V]) for the N `states`, in order."""
         raw = logits.float()  # left untouched: every step below is out of place
-        penalized = _apply_penalties(_apply_bans(raw, states), states)
+        penalized = _apply_penalties(_apply_bias(_apply_bans(raw, states), states), states)
         allowed = self._apply_grammars(penalized, states)
         token_ids = self._sample(allowed, states)  # [N] int64
         return _to_output(raw, token_ids, states)
@@ -159,6 +159,17 @@ def _apply_bans(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.
     banned = logits.clone()
     banned[_index(list(rows), logits.device), _index(list(cols), logits.device)] = float("-inf")
     return banned
+
+
+def _apply_bias(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """Each row's logit_bias added to its logits; returns a new tensor when any row has one."""
+    triples = [(i, t, b) for i, s in enumerate(states) for t, b in s.params.logit_bias.items()]
+    if not triples:
+        return logits
+    rows, cols, biases = zip(*triples, strict=True)
+    device = logits.device
+    index = (_index(list(rows), device), _index(list(cols), device))
+    return logits.index_put(index, _to_device(list(biases), logits.dtype, device), accumulate=True)
 
 
 def _apply_penalties(logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:

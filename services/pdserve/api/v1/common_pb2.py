@@ -24,23 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xf7\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x12\n\nmax_tokens\x18\x08 \x01(\x05\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x11\n\x04seed\x18\r \x01(\x04H\x03\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x04\x88\x01\x01\x12\x15\n\x0bjson_object\x18\x0f \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x10 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x11 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x12 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x13 \x01(\tH\x00\x42\x0c\n\nconstraintB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"d\n\x10PositionLogprobs\x12)\n\x07sampled\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12%\n\x03top\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\xe8\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x12\n\nmax_tokens\x18\x08 \x01(\x05\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x11\n\x04seed\x18\r \x01(\x04H\x03\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x04\x88\x01\x01\x12\x15\n\x0bjson_object\x18\x0f \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x10 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x11 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x12 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x13 \x01(\tH\x00\x12=\n\nlogit_bias\x18\x14 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0c\n\nconstraintB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobs\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"d\n\x10PositionLogprobs\x12)\n\x07sampled\x18\x01 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12%\n\x03top\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=815
-  _globals['_FINISHREASON']._serialized_end=935
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=928
+  _globals['_FINISHREASON']._serialized_end=1048
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=543
-  _globals['_CHOICES']._serialized_start=545
-  _globals['_CHOICES']._serialized_end=571
-  _globals['_TOKENLOGPROB']._serialized_start=573
-  _globals['_TOKENLOGPROB']._serialized_end=622
-  _globals['_POSITIONLOGPROBS']._serialized_start=624
-  _globals['_POSITIONLOGPROBS']._serialized_end=724
-  _globals['_USAGE']._serialized_start=726
-  _globals['_USAGE']._serialized_end=813
+  _globals['_SAMPLINGPARAMS']._serialized_end=656
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=539
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=587
+  _globals['_CHOICES']._serialized_start=658
+  _globals['_CHOICES']._serialized_end=684
+  _globals['_TOKENLOGPROB']._serialized_start=686
+  _globals['_TOKENLOGPROB']._serialized_end=735
+  _globals['_POSITIONLOGPROBS']._serialized_start=737
+  _globals['_POSITIONLOGPROBS']._serialized_end=837
+  _globals['_USAGE']._serialized_start=839
+  _globals['_USAGE']._serialized_end=926
 # @@protoc_insertion_point(module_scope)

@@ -19,6 +19,7 @@ from pdserve.gateways.chat_template import ChatTemplate
 from pdserve.gateways.openai.constraints import RESPONSE_FORMAT, AskedConstraint, asked_constraint
 from pdserve.gateways.openai.errors import bad_request
 from pdserve.gateways.openai.protocol import (
+    INT32_MAX,
     MAX_CHOICES,
     ChatCompletionRequest,
     ChatMessage,
@@ -56,7 +57,7 @@ class ParamNames:
             return self.max_tokens
         if base == "logprobs":
             return self.logprobs
-        return "stop" if base == "stop" else name
+        return base if base in ("stop", "logit_bias") else name
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +189,20 @@ def _stops(stop: str | Sequence[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's logit_bias, its keys token ids written as strings (JSON's keys are)."""
+    parsed = {}
+    for key, value in (bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request("logit_bias", f"key {key!r} is not a token id") from None
+        if not 0 <= token_id <= INT32_MAX:
+            raise bad_request("logit_bias", f"token id {token_id} is out of range")
+        parsed[token_id] = value
+    return parsed
+
+
 def _sampling(
     request: SamplingFields,
     max_tokens: int,
@@ -206,6 +221,7 @@ def _sampling(
         ignore_eos=request.ignore_eos,
         stop_token_ids=request.stop_token_ids or [],
         stop=_stops(request.stop),
+        logit_bias=_logit_bias(request.logit_bias),
     )
     if request.top_p is not None:
         sampling.top_p = request.top_p

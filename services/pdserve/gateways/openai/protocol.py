@@ -26,7 +26,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None,),
-    "logit_bias": (None, {}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -130,8 +129,9 @@ class SamplingFields(_Strict):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputs | None = None
+    # token id (as a string, as JSON keys are) -> bias in [-100, 100]
+    logit_bias: dict[str, float] | None = None
     # not implemented: see UNSUPPORTED_FIELDS
-    logit_bias: Any = None
     service_tier: Any = None
     store: Any = None
     metadata: Any = None

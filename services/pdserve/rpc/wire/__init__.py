@@ -42,6 +42,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         seed=msg.seed if msg.HasField("seed") else None,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         constraint=constraint_from_proto(msg),
+        logit_bias=dict(msg.logit_bias),
     )
 
 
@@ -59,6 +60,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         ignore_eos=params.ignore_eos,
         stop_token_ids=params.stop_token_ids,
         stop=params.stop,
+        logit_bias=params.logit_bias,
     )
     if params.seed is not None:
         msg.seed = params.seed
