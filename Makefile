@@ -45,7 +45,7 @@ run:  ## pdserve up: Redis, 1 prefill + 1 decode worker, a router (gRPC :50051, 
 lint:  ## ruff check and format check, pylint's duplicate-code check, mypy (config in pyproject.toml)
 	$(BIN)/ruff check services tests scripts bench
 	$(BIN)/ruff format --check services tests scripts bench
-	$(BIN)/pylint --disable=all --enable=duplicate-code --score=n services
+	$(BIN)/pylint --disable=all --enable=duplicate-code --score=n services bench/*.py
 	$(BIN)/mypy
 
 format:  ## apply ruff fixes and formatting
