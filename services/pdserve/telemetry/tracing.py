@@ -5,10 +5,11 @@ switched on and off with the spans here.
 
 On, spans are the SDK's own, started by its tracer (its sampler decides: by default every
 request, or a share of them under `parentbased_traceidratio`) and exported by its batch
-span processor off the request's path. Off, nothing is installed and nothing is
-exported: `start_span` hands back a span that records nothing without calling the SDK,
-channels get no interceptor, handlers attach no context. Callers build attributes only for
-a span that `is_recording()`.
+span processor off the request's path. A span with no children (`leaf_span`) becomes an
+SDK span after its request's first token, with the times it ran (telemetry/leaf_spans.py).
+Off, nothing is installed and nothing is exported: `start_span` hands back a span that
+records nothing without calling the SDK, channels get no interceptor, handlers attach no
+context. Callers build attributes only for a span that `is_recording()`.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
 from pdserve.telemetry import propagation
+from pdserve.telemetry.leaf_spans import LeafSpan, leaves
 from pdserve.telemetry.trace_export import provider_from_env
 
 TRACER_NAME = "pdserve"
@@ -57,17 +59,19 @@ def install(provider: trace.TracerProvider) -> None:
     """Trace through `provider` from now on (`configure`; tests give an in-memory one)."""
     propagation.install()
     _state.tracer, _state.provider = provider.get_tracer(TRACER_NAME), provider
+    leaves.tracer = _state.tracer
 
 
 def uninstall() -> None:
     """Stop tracing: spans started from now on record nothing (tests)."""
-    _state.tracer = _state.provider = None
+    _state.tracer = _state.provider = leaves.tracer = None
     propagation.uninstall()
 
 
 def shutdown(provider) -> None:
     """Export what is still queued and stop (at the process's end); None: nothing to do."""
     if provider is not None:
+        leaves.flush()
         uninstall()
         provider.shutdown()
 
@@ -77,7 +81,8 @@ def enabled() -> bool:
 
 
 def flush() -> None:
-    """Export every ended span now (tests)."""
+    """Hand every ended leaf span to the SDK and export every ended span now (tests)."""
+    leaves.flush()
     if (provider := _state.provider) is not None:
         provider.force_flush()
 
@@ -218,6 +223,24 @@ class _FailedOnExit(Span):
         return f"_FailedOnExit({self._sdk!r})"
 
 
+def leaf_span(
+    name: str,
+    request_id: str,
+    *,
+    kind: SpanKind = SpanKind.INTERNAL,
+    parent: otel_context.Context | None = None,
+    attributes: Mapping[str, AttributeValue] | None = None,
+) -> LeafSpan | Span:
+    """A span with no children, started now and handed to the SDK after its request's
+    first token (telemetry/leaf_spans.py), child of `parent` (None: of the current span);
+    the caller ends it, or uses it as a `with` block, which ends it and marks it failed
+    by an exception out of the block. Off: a span that records nothing and costs nothing."""
+    if _state.tracer is None:
+        return INVALID_SPAN  # a `with` block too: it ends itself, a no-op
+    given = {REQUEST_ID: request_id, **attributes} if attributes else {REQUEST_ID: request_id}
+    return LeafSpan(name, kind, parent, given)
+
+
 def kv_transfer_attributes(num_layers: int, num_chunks: int, num_bytes: int) -> dict[str, int]:
     """A KV transfer span's counts, on either side: layers, KVChunk messages, payload bytes
     (the KV alone: layers x 2 x blocks x block size x KV heads x head dim x dtype size)."""
@@ -235,7 +258,7 @@ def error_type(error: BaseException) -> str:
     return type(error).__name__
 
 
-def set_error(target: Span, error: BaseException) -> None:
+def set_error(target: Span | LeafSpan, error: BaseException) -> None:
     """Mark a span failed by `error`: status ERROR (with the message) and `error.type`."""
     if target.is_recording():
         target.set_status(Status(StatusCode.ERROR, str(error)))
