@@ -8,10 +8,11 @@ ids and a stream of sampled ids back into a stream of text deltas.
 from __future__ import annotations
 
 import json
-from collections import deque
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
+import ahocorasick
 import tokenizers
 
 from pdserve.core.checkpoint import find_gguf
@@ -283,12 +284,13 @@ class StopStringMatcher:
     first, i.e. the longest), so the result does not depend on how the text was split into
     deltas.
 
-    The stop strings form an Aho-Corasick automaton: a state is the longest suffix of the
-    text so far that is a prefix of some stop string (so its depth is the held text's
-    length), and each character moves it along a goto edge or down failure links. A
-    character costs amortized O(1) whatever the number of stop strings (a failure link
-    only shortens the state, which each character lengthens by at most one); building
-    costs O(their total length).
+    The stop strings are a `pyahocorasick` automaton whose search carries its state from
+    one delta to the next (it reports matches by their end in the whole stream, longest
+    first at each end). The held suffix is found from the first place in the text that
+    starts with a stop string's first character and reads on to the end as a stop's prefix.
+    Per delta that is 1.2-6x slower than the Python automaton pdserve had, which took
+    50-100x longer to build (350 ms at the caps, on the engine's loop):
+    docs/benchmarks/stop-strings.md.
     """
 
     def __init__(self, stops: Sequence[str]):
@@ -297,8 +299,14 @@ class StopStringMatcher:
                 raise InvalidRequestError(
                     f"sampling_params.stop[{i}]", "must be a non-empty string"
                 )
-        self._automaton = _StopAutomaton(stops)
-        self._state = _ROOT
+        automaton = ahocorasick.Automaton()
+        for stop in stops:
+            automaton.add_word(stop, len(stop))
+        automaton.make_automaton()
+        self._is_stop_prefix = automaton.match  # is the string a prefix of some stop
+        self._search = automaton.iter("")
+        self._first_char = re.compile("[" + "".join(map(re.escape, {s[0] for s in stops})) + "]")
+        self._num_searched = 0  # characters the search has read: its end indexes count them
         self._held = ""
         self._stopped = False
 
@@ -314,82 +322,30 @@ class StopStringMatcher:
         """
         if self._stopped:
             return "", True
-        automaton, state = self._automaton, self._state
         text = self._held + delta
-        for end, char in enumerate(delta, start=len(self._held) + 1):
-            state = automaton.step(state, char)
-            match_length = automaton.match_length[state]
-            if match_length:  # the first stop string to complete, and the longest ending here
-                self._held, self._stopped = "", True
-                return text[: end - match_length], True
-        self._state = state
-        num_held = automaton.depth[state]
-        self._held = text[len(text) - num_held :]
-        return text[: len(text) - num_held], False
+        self._search.set(delta)
+        for end, length in self._search:  # the first to complete, the longest ending there
+            start = end + 1 - length - self._num_searched + len(self._held)
+            self._held, self._stopped = "", True
+            return text[:start], True
+        self._num_searched += len(delta)
+        num_emitted = self._num_free(text)
+        self._held = text[num_emitted:]
+        return text[:num_emitted], False
 
     def flush(self) -> str:
         """The held-back text, for when the output ends for another reason."""
         held, self._held = self._held, ""
-        self._state = _ROOT
+        self._search.set("", True)  # the search starts afresh
+        self._num_searched = 0
         return held
 
-
-_ROOT = 0
-_CHAR_BITS = 21  # code points are below 0x110000 = 2**21: one int keys (state, character)
-
-
-class _StopAutomaton:
-    """Aho-Corasick over the stop strings, states numbered from the root (0).
-
-    `depth[s]` is the length of the string state `s` stands for; `match_length[s]` the
-    length of the longest stop string ending there (0: none); goto edges are one dict keyed
-    `state << 21 | code point`, so the automaton is a few lists and one dict whatever the
-    alphabet.
-    """
-
-    def __init__(self, stops: Sequence[str]):
-        self.depth = [0]
-        self.match_length = [0]
-        self._goto: dict[int, int] = {}
-        for stop in stops:
-            state = _ROOT
-            for char in stop:
-                state = self._child(state, char)
-            self.match_length[state] = len(stop)
-        self._fail = [_ROOT] * len(self.depth)
-        self._link_failures()
-
-    def _child(self, state: int, char: str) -> int:
-        key = state << _CHAR_BITS | ord(char)
-        child = self._goto.get(key)
-        if child is None:
-            child = self._goto[key] = len(self.depth)
-            self.depth.append(self.depth[state] + 1)
-            self.match_length.append(0)
-        return child
-
-    def _link_failures(self) -> None:
-        """Breadth first, so a state's failure target (shorter) is linked before it."""
-        children: list[list[tuple[str, int]]] = [[] for _ in self.depth]
-        for key, child in self._goto.items():
-            children[key >> _CHAR_BITS].append((chr(key & ((1 << _CHAR_BITS) - 1)), child))
-        queue = deque(child for _, child in children[_ROOT])
-        while queue:
-            state = queue.popleft()
-            for char, child in children[state]:
-                self._fail[child] = self.step(self._fail[state], char)
-                # a stop string ending here, or the longest one ending at a shorter suffix
-                if not self.match_length[child]:
-                    self.match_length[child] = self.match_length[self._fail[child]]
-                queue.append(child)
-
-    def step(self, state: int, char: str) -> int:
-        """The state after `char`: the longest suffix that is still a stop's prefix."""
-        code = ord(char)
-        while True:
-            child = self._goto.get(state << _CHAR_BITS | code)
-            if child is not None:
-                return child
-            if state == _ROOT:
-                return _ROOT
-            state = self._fail[state]
+    def _num_free(self, text: str) -> int:
+        """Where the longest suffix of `text` that is a stop string's prefix begins."""
+        start = 0
+        while (found := self._first_char.search(text, start)) is not None:
+            start = found.start()
+            if self._is_stop_prefix(text[start:]):
+                return start
+            start += 1
+        return len(text)

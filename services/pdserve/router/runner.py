@@ -244,7 +244,7 @@ class RequestRunner:
     def _route_decode(self, pool: Pool, attempt: Attempt) -> tuple[list[WorkerInfo], Decision]:
         """The decode workers in the order to try them, and where to prefill (colocated:
         on the first)."""
-        with tracing.start_span("route decode", attempt.request_id) as span:
+        with tracing.leaf_span("route decode", attempt.request_id) as span:
             decodes = self.decode_policy.rank(
                 self.dispatches.adjust(pool.decode), attempt.num_blocks_needed
             )
@@ -307,7 +307,7 @@ class RequestRunner:
         """Prefill on the best prefill worker; UNAVAILABLE moves on (the lease stays open).
         A worker that hung (past --prefill-timeout, or its heartbeat stopped) ends the
         attempt instead: it may resume and push into the lease, so the retry takes a new one."""
-        with tracing.start_span("route prefill", attempt.request_id) as span:
+        with tracing.leaf_span("route prefill", attempt.request_id) as span:
             prefills = self.prefill_policy.rank(
                 self.dispatches.adjust(prefill_workers), attempt.block_hashes
             )

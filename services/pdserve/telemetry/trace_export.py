@@ -6,8 +6,8 @@ set and OTEL_SDK_DISABLED is not `true`; OTEL_EXPORTER_OTLP_PROTOCOL picks the e
 (`grpc`, the default, or `http/protobuf`). The SDK itself reads the rest:
 OTEL_TRACES_SAMPLER(_ARG), OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME, OTEL_BSP_*,
 OTEL_EXPORTER_OTLP_* (headers, timeouts, TLS), OTEL_PROPAGATORS. `service.name` defaults
-to the process's role: `pdserve-router`, ... Over grpc the exporter's requests are written
-by `telemetry/otlp_encoding.py`.
+to the process's role: `pdserve-router`, ... The exporters are the SDK's own
+(opentelemetry-exporter-otlp-proto-grpc and -http).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ def service_name(role: str) -> str:
 
 
 def _grpc_exporter():
-    from pdserve.telemetry.otlp_encoding import GrpcSpanExporter
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-    return GrpcSpanExporter()
+    return OTLPSpanExporter()
 
 
 def _http_exporter():

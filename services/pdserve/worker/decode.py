@@ -44,7 +44,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         worker.check_admitting()
         params = sampling_params_from_proto(request.sampling)
         await worker.compile_constraint(params)  # before any block is reserved
-        with tracing.start_span("admit", request.request_id, kind=SpanKind.SERVER) as span:
+        with tracing.leaf_span("admit", request.request_id, kind=SpanKind.SERVER) as span:
             lease = worker.leases.admit(
                 list(request.prompt_token_ids),
                 params,
@@ -98,7 +98,7 @@ class _ReceivedKV:
 
     __slots__ = ("span", "layers")
 
-    def __init__(self, span: Span):
+    def __init__(self, span: Span | tracing.LeafSpan):
         self.span, self.layers = span, set()
 
     def add(self, lease: Lease, layer: int) -> None:
@@ -149,7 +149,7 @@ class KVTransferServicer(kv_transfer_pb2_grpc.KVTransferServicer):
     async def PushKV(self, request_iterator, context):
         leases, leases_seen = self.worker.leases, set()
         first_chunk_at = 0.0  # time.monotonic(): the transfer's time starts with its KV
-        span = tracing.start_span("kv_transfer receive", "", kind=SpanKind.SERVER)
+        span = tracing.leaf_span("kv_transfer receive", "", kind=SpanKind.SERVER)
         received = _ReceivedKV(span)
 
         def on_chunk(lease_id: str, first_block: int, chunk: KVLayerChunk) -> None:

@@ -118,7 +118,7 @@ class Attached:
     # its trace: the parent of its span (None: the current context), the span once it
     # decodes here (a lease's from its commit, a colocated one's from the attach)
     trace_parent: otel_context.Context | None = None
-    span: Span = INVALID_SPAN
+    span: Span | tracing.LeafSpan = INVALID_SPAN
     span_started_at: float = 0.0  # time.monotonic()
 
     @property
@@ -346,7 +346,7 @@ def release_request(worker: Worker, attached: Attached, aborted: bool) -> None:
 
 
 def start_request_span(attached: Attached, name: str) -> None:
-    attached.span = tracing.start_span(
+    attached.span = tracing.leaf_span(
         name, attached.request_id, kind=SpanKind.SERVER, parent=attached.trace_parent
     )
     attached.span_started_at = time.monotonic()
