@@ -145,6 +145,7 @@ def test_a_first_token_outside_the_constraint_is_refused_and_frees_its_blocks(de
         (Constraint(ConstraintKind.REGEX, "[a-"), "regex"),
         (Constraint(ConstraintKind.REGEX, ""), "regex"),
         (Constraint(ConstraintKind.GRAMMAR, "start: undefined_rule"), "grammar"),
+        (Constraint(ConstraintKind.GRAMMAR, 'a ::= "b"'), "grammar"),  # GBNF with no root
         (Constraint(ConstraintKind.CHOICE), "choice"),
         (Constraint(ConstraintKind.CHOICE, choices=("a", "")), "choice[1]"),
         (Constraint(ConstraintKind.REGEX, "a" * (MAX_CONSTRAINT_BYTES + 1)), "regex"),

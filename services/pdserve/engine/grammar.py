@@ -193,6 +193,9 @@ def llguidance_grammar(constraint: Constraint) -> str:
         lark = any_to_lark(constraint.spec)  # GBNF becomes Lark; Lark stays as it is
     except GbnfToLarkError as exc:
         raise ValueError(f"not a Lark or GBNF grammar: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the converter raises bare Exception too
+        # ("No 'root' rule found" for a GBNF without one: the fuzz suite sent "a ::= b")
+        raise ValueError(f"not a Lark or GBNF grammar: {exc}") from None
     return llguidance.LLMatcher.grammar_from_lark(lark)
 
 
